@@ -1,0 +1,24 @@
+"""hvd_scale: learning-rate scaling policies for Horovod data-parallel training.
+
+The engine (this package) is numpy only: adapters for PyTorch and Keras 3 live in
+``hvd_scale.adapters``, the launcher in ``hvd_scale.launch``.
+
+    GainEstimator     AdaScale's gain r from per-step gradient statistics (estimate.py)
+    make_policy       none | linear | sqrt | warmup | adascale | adascale_adam (policies.py)
+    schedules         baseline lr schedules evaluated in scale-invariant iterations
+    reduce            the statistics vector's layout and reducers (local, mpi4py, Horovod)
+"""
+
+from . import schedules
+from .estimate import GainEstimator
+from .policies import (POLICY_ENV, Policy, StepInfo, available_policies, describe_policies,
+                       make_policy, optimizer_family, parse_spec)
+from .reduce import LocalReducer, pack_local, unpack_summed
+from .schedules import lr_at
+
+__all__ = [
+    "GainEstimator", "Policy", "StepInfo", "POLICY_ENV", "available_policies", "describe_policies",
+    "make_policy", "optimizer_family", "parse_spec", "schedules", "lr_at", "LocalReducer",
+    "pack_local", "unpack_summed",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,287 @@
+"""AdaScale's gain: unbiased variance estimates from one step's micro-gradients, smoothed.
+
+Legend (Johnson et al., "AdaScale SGD", ICML 2020, section 3 and appendix B.3):
+
+    n      micro-gradients g_1..g_n averaged in one optimizer step (workers x backward passes)
+    S      scale: the step's batch over the baseline batch B0 (S = n when a micro-batch is B0)
+    m      mean_i |g_i|^2               q = |g_bar|^2, g_bar = mean_i g_i
+    sigma2 trace of the covariance of one *baseline-batch* gradient (``grad_var``)
+    mu2    |grad F|^2, the squared norm of the true gradient (``grad_sqr``)
+    r      gain ratio (sigma2 + mu2) / (sigma2 / S + mu2), always within [1, S]
+
+A micro-gradient has variance sigma2 * n / S, so E[m - q] = (sigma2 * n / S) (n - 1) / n and
+E[q] = mu2 + sigma2 / S, which give the unbiased estimators
+
+    sigma2_hat = S (m - q) / (n - 1)        mu2_hat = (n q - m) / (n - 1) = q - sigma2_hat / S
+
+Both are clipped (sigma2_hat >= SIGMA2_FLOOR * m, mu2_hat >= 0), then smoothed by a debiased
+exponential moving average  b <- theta b + (1 - theta) x,  u <- theta u + (1 - theta),  x_bar = b / u.
+
+Everything here is numpy. Statistics are floats, or 1-D arrays with one entry per parameter group;
+the gain uses the sums over groups (one lr factor for the whole model, as in the paper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+# A relative floor, in units of the step's own mean squared micro-gradient norm m: an absolute
+# floor (the paper's 1e-6) would dominate a model whose gradients are tiny, and a zero variance
+# estimate would make mu2 alone decide the gain from a single lucky step.
+SIGMA2_FLOOR = 1e-6
+
+# Default smoothing: theta = DEFAULT_DECAY ** S keeps the EMA's horizon at ~1000 *baseline*
+# batches at every scale (the paper's max(1 - S/1000, 0) agrees for small S but drops to no
+# smoothing at all for S >= 1000).
+DEFAULT_DECAY = 0.999
+
+STATE_VERSION = 1
+
+
+def _as_stat(name: str, value: Any) -> np.ndarray:
+    """Turn a float or 1-D array into a float64 1-D array, rejecting NaN, Inf and negatives."""
+    arr = np.atleast_1d(np.asarray(value, dtype=np.float64))
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name} must be a float or a non-empty 1-D array (one entry per "
+                         f"parameter group), got shape {np.shape(value)}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} must be finite, got {arr.tolist()}: a non-finite gradient "
+                         "must be skipped before its statistics reach the estimator")
+    if np.any(arr < 0):
+        raise ValueError(f"{name} is a sum of squared norms and must be >= 0, got {arr.tolist()}")
+    return arr
+
+
+def check_scale(scale: Any) -> float:
+    """Validate a scale S: a finite number >= 1."""
+    try:
+        s = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a number >= 1, got {scale!r}") from None
+    if not math.isfinite(s) or s < 1:
+        raise ValueError(f"scale must be a finite number >= 1 (the step's batch over the "
+                         f"baseline batch), got {scale!r}")
+    return s
+
+
+def _check_smoothing(smoothing: Any) -> float | None:
+    if smoothing is None:
+        return None
+    theta = float(smoothing)
+    if not 0.0 <= theta < 1.0:
+        raise ValueError(f"smoothing (the EMA's theta) must be in [0, 1), got {smoothing!r}")
+    return theta
+
+
+def default_smoothing(scale: float) -> float:
+    """theta = 0.999 ** S: the EMA forgets at the same pace in baseline batches at every scale."""
+    return DEFAULT_DECAY ** scale
+
+
+def estimate_moments(sqnorm_sum, mean_sqnorm, n: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """One step's clipped, unbiased (sigma2_hat, mu2_hat), per parameter group.
+
+    sqnorm_sum: sum over the n micro-gradients of |g_i|^2 (summed over all workers).
+    mean_sqnorm: |g_bar|^2 of their average.
+    """
+    sqnorm_sum = _as_stat("sqnorm_sum", sqnorm_sum)
+    mean_sqnorm = _as_stat("mean_sqnorm", mean_sqnorm)
+    if sqnorm_sum.shape != mean_sqnorm.shape:
+        raise ValueError(f"sqnorm_sum and mean_sqnorm need one entry per parameter group each, "
+                         f"got shapes {sqnorm_sum.shape} and {mean_sqnorm.shape}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) and not float(n).is_integer():
+        raise ValueError(f"n (micro-gradients in the step) must be a whole number, got {n!r}")
+    n = int(n)
+    if n < 2:
+        raise ValueError(
+            f"n = {n} micro-gradients give no variance estimate (need n >= 2; got scale {scale}): "
+            "use at least 2 workers or backward_passes_per_step >= 2, or a fixed policy "
+            "(none, linear, sqrt, warmup)")
+    m = sqnorm_sum / n
+    q = mean_sqnorm
+    sigma2 = np.maximum(scale * (m - q) / (n - 1), SIGMA2_FLOOR * m)
+    mu2 = np.maximum((n * q - m) / (n - 1), 0.0)
+    return sigma2, mu2
+
+
+def gain_ratio(sigma2, mu2, scale: float) -> float:
+    """r = (sigma2 + mu2) / (sigma2 / S + mu2), from the sums over parameter groups.
+
+    With no signal at all (both zero) the gain is 1: nothing justifies a larger step.
+    """
+    var, sqr = float(np.sum(sigma2)), float(np.sum(mu2))
+    denominator = var / scale + sqr
+    if denominator <= 0.0:
+        return 1.0
+    # Clip only rounding: mathematically r is within [1, S] for any sigma2, mu2 >= 0.
+    return min(max((var + sqr) / denominator, 1.0), scale)
+
+
+@dataclasses.dataclass
+class EstimatorState:
+    """Debiased EMAs of sigma2 and mu2 (per parameter group) and their shared bias weight u."""
+
+    sigma2_biased: np.ndarray | None = None  # float64[groups], b for sigma2
+    mu2_biased: np.ndarray | None = None     # float64[groups], b for mu2
+    bias_weight: float = 0.0                 # u; the estimate is b / u
+    updates: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "sigma2_biased": None if self.sigma2_biased is None else self.sigma2_biased.tolist(),
+            "mu2_biased": None if self.mu2_biased is None else self.mu2_biased.tolist(),
+            "bias_weight": self.bias_weight,
+            "updates": self.updates,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "EstimatorState":
+        _check_keys("estimator state", d, {"sigma2_biased", "mu2_biased", "bias_weight", "updates"})
+        arr = lambda v: None if v is None else np.asarray(v, dtype=np.float64)  # noqa: E731
+        return cls(arr(d["sigma2_biased"]), arr(d["mu2_biased"]), float(d["bias_weight"]),
+                   int(d["updates"]))
+
+
+def ema_update(state: EstimatorState, sigma2: np.ndarray, mu2: np.ndarray,
+               theta: float) -> EstimatorState:
+    """b <- theta b + (1 - theta) x for both estimates; u <- theta u + (1 - theta)."""
+    if state.sigma2_biased is None:
+        zeros = np.zeros_like(sigma2)
+        state = dataclasses.replace(state, sigma2_biased=zeros, mu2_biased=zeros)
+    elif state.sigma2_biased.shape != sigma2.shape:
+        raise ValueError(f"the estimator tracks {state.sigma2_biased.size} parameter group(s), "
+                         f"got statistics for {sigma2.size}")
+    return EstimatorState(
+        sigma2_biased=theta * state.sigma2_biased + (1 - theta) * sigma2,
+        mu2_biased=theta * state.mu2_biased + (1 - theta) * mu2,
+        bias_weight=theta * state.bias_weight + (1 - theta),
+        updates=state.updates + 1,
+    )
+
+
+def _check_keys(what: str, d: Mapping, expected: set) -> None:
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{what} must be a dict, got {type(d).__name__}")
+    missing, unknown = expected - set(d), set(d) - expected
+    if missing or unknown:
+        raise ValueError(f"{what}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; "
+                         f"expected {sorted(expected)}")
+
+
+class GainEstimator:
+    """AdaScale's gain ratio r_t from per-step gradient statistics.
+
+    Four micro-gradients with |g_i|^2 = 2 each (m = 2) and |g_bar|^2 = q = 1.25, at S = 4:
+    sigma2 = 4 (2 - 1.25) / 3 = 1, mu2 = (4 * 1.25 - 2) / 3 = 1, r = (1 + 1) / (1/4 + 1) = 1.6.
+
+    >>> est = GainEstimator(scale=4, smoothing=0.0)
+    >>> est.update(sqnorm_sum=8.0, mean_sqnorm=1.25, n=4)
+    1.6
+
+    ``smoothing`` is theta of the EMA; None means ``0.999 ** scale`` (recomputed on ``rescale``).
+    ``scale`` may differ from n: S = n b / B0 for micro-batches of b samples and a baseline B0.
+    """
+
+    def __init__(self, scale: float, smoothing: float | None = None):
+        self._scale = check_scale(scale)
+        self._smoothing = _check_smoothing(smoothing)
+        self.state = EstimatorState()
+
+    # -- the update ---------------------------------------------------------------------------
+    def update(self, sqnorm_sum, mean_sqnorm, n: int) -> float:
+        """Fold one step's statistics into the smoothed estimates and return the new gain.
+
+        With S = 1 the gain is exactly 1 and nothing is estimated (n may then be 1).
+        Bad input (NaN, Inf, negative norms, n < 2 with S > 1, a changed number of groups)
+        raises ValueError and leaves the state untouched.
+        """
+        if self._scale == 1.0 and int(n) == 1:
+            _as_stat("sqnorm_sum", sqnorm_sum), _as_stat("mean_sqnorm", mean_sqnorm)
+            return 1.0
+        sigma2, mu2 = estimate_moments(sqnorm_sum, mean_sqnorm, n, self._scale)
+        self.state = ema_update(self.state, sigma2, mu2, self.smoothing)
+        return self.gain
+
+    # -- what it knows ------------------------------------------------------------------------
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    @property
+    def smoothing(self) -> float:
+        return default_smoothing(self._scale) if self._smoothing is None else self._smoothing
+
+    @property
+    def group_sigma2(self) -> np.ndarray | None:
+        """Smoothed sigma2 per parameter group (None before the first update)."""
+        if self.state.sigma2_biased is None:
+            return None
+        return self.state.sigma2_biased / self.state.bias_weight
+
+    @property
+    def group_mu2(self) -> np.ndarray | None:
+        if self.state.mu2_biased is None:
+            return None
+        return self.state.mu2_biased / self.state.bias_weight
+
+    @property
+    def sigma2(self) -> float:
+        """Smoothed variance of a baseline-batch gradient, summed over groups (nan before data)."""
+        g = self.group_sigma2
+        return math.nan if g is None else float(np.sum(g))
+
+    @property
+    def mu2(self) -> float:
+        """Smoothed squared norm of the true gradient, summed over groups (nan before data)."""
+        g = self.group_mu2
+        return math.nan if g is None else float(np.sum(g))
+
+    @property
+    def gain(self) -> float:
+        """r in [1, S]; 1 before any statistics (and always at S = 1)."""
+        if self._scale == 1.0 or self.state.sigma2_biased is None:
+            return 1.0
+        return gain_ratio(self.group_sigma2, self.group_mu2, self._scale)
+
+    @property
+    def noise_scale(self) -> float:
+        """B_simple / B0 = sigma2 / mu2: the batch, in baseline batches, past which scaling stops paying."""
+        sigma2, mu2 = self.sigma2, self.mu2
+        if math.isnan(sigma2):
+            return math.nan
+        return math.inf if mu2 == 0 else sigma2 / mu2
+
+    @property
+    def efficiency(self) -> float:
+        """gain / S: the fraction of the ideal linear speed-up a step at this scale delivers."""
+        return self.gain / self._scale
+
+    # -- resizing and checkpoints -------------------------------------------------------------
+    def rescale(self, new_scale: float) -> None:
+        """Change S (workers joined or left). sigma2 and mu2 are in baseline-batch units: kept."""
+        self._scale = check_scale(new_scale)
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "scale": self._scale, "smoothing": self._smoothing,
+                **self.state.to_dict()}
+
+    def load_state_dict(self, d: Mapping) -> None:
+        _check_keys("GainEstimator state", d, {"version", "scale", "smoothing", "sigma2_biased",
+                                               "mu2_biased", "bias_weight", "updates"})
+        if d["version"] != STATE_VERSION:
+            raise ValueError(f"GainEstimator state version {d['version']!r} is not supported "
+                             f"(expected {STATE_VERSION})")
+        state = EstimatorState.from_dict({k: d[k] for k in
+                                          ("sigma2_biased", "mu2_biased", "bias_weight", "updates")})
+        if (self.state.sigma2_biased is not None and state.sigma2_biased is not None
+                and state.sigma2_biased.shape != self.state.sigma2_biased.shape):
+            raise ValueError(f"checkpoint has {state.sigma2_biased.size} parameter group(s), "
+                             f"this estimator tracks {self.state.sigma2_biased.size}")
+        scale = check_scale(d["scale"])
+        smoothing = _check_smoothing(d["smoothing"])
+        # Validate everything before changing anything.
+        self._scale, self._smoothing, self.state = scale, smoothing, state

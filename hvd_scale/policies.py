@@ -1,0 +1,382 @@
+"""Learning-rate scaling policies: what a step at scale S does to the lr and to progress.
+
+Every policy turns the step count and (for AdaScale) the step's gradient statistics into
+
+    lr_factor   multiply the baseline lr, evaluated at floor(tau), by this for the step
+    tau         progress in scale-invariant (baseline) iterations; training ends at tau >= T
+
+| policy        | lr_factor                              | tau advances by |
+|---------------|----------------------------------------|-----------------|
+| none          | 1                                      | S               |
+| linear        | S                                      | S               |
+| sqrt          | sqrt(S)                                | S               |
+| warmup        | 1 + (S - 1) min(1, t / span)           | S               |
+| adascale      | r = (sigma2 + mu2) / (sigma2/S + mu2)  | r               |
+| adascale_adam | sqrt(r), r from preconditioned grads   | r               |
+
+A fixed rule's step consumes S baseline batches, so tau advances by S and one baseline schedule
+lr(tau) and one budget T (in baseline steps) serve every policy. Policies are built from a spec
+string, ``name`` or ``name:key=value,...``, as given to ``--policy`` or ``HVD_SCALE_POLICY``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, ClassVar, Mapping
+
+from .estimate import GainEstimator, _check_keys, check_scale
+
+POLICY_ENV = "HVD_SCALE_POLICY"
+DEFAULT_POLICY = "adascale"
+STATE_VERSION = 1
+
+# Which optimizers a policy has theory for, by class name (torch.optim and keras.optimizers agree).
+SGD_FAMILY = frozenset({"SGD"})
+ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "Nadam", "RAdam"})
+
+
+def optimizer_family(name: str) -> str:
+    """'sgd', 'adam' or 'other' for an optimizer class name."""
+    if name in SGD_FAMILY:
+        return "sgd"
+    if name in ADAM_FAMILY:
+        return "adam"
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What one optimizer step should do, and where it leaves progress."""
+
+    step: int             # optimizer steps applied, this one included
+    lr_factor: float      # multiply the baseline lr by this for this step only
+    progress_before: float  # tau at which to evaluate the baseline schedule: lr(floor(tau))
+    progress: float       # tau after this step
+    gain: float           # the measured gain r (1 where nothing was measured)
+
+
+# -- spec parsing ------------------------------------------------------------------------------
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"option {name}={raw!r}: expected a whole number > 0") from None
+    if value <= 0:
+        raise ValueError(f"option {name}={raw!r}: expected a whole number > 0")
+    return value
+
+
+def _fraction(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"option {name}={raw!r}: expected a number in (0, 1]") from None
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"option {name}={raw!r}: expected a number in (0, 1]")
+    return value
+
+
+def _theta(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1)") from None
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1)")
+    return value
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """'warmup:fraction=0.055' -> ('warmup', {'fraction': 0.055}), validated against the registry."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"policy spec must be a non-empty string such as 'adascale' or "
+                         f"'warmup:steps=500', got {spec!r}; valid policies: {available_policies()}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower().replace("-", "_")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {available_policies()}")
+    cls = POLICIES[name]
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if key not in cls.options:
+            valid = ", ".join(cls.options) or "none"
+            raise ValueError(f"unknown option {key!r} for policy {name!r}; valid options: {valid}")
+        if not eq:
+            raise ValueError(f"option {key!r} of policy {name!r} needs a value: {key}=...")
+        options[key] = cls.options[key][0](key, raw.strip())
+    return name, options
+
+
+def available_policies() -> list[str]:
+    return list(POLICIES)
+
+
+def describe_policies() -> list[tuple[str, str, dict[str, str]]]:
+    """(name, one-line description, {option: help}) for every policy."""
+    return [(name, cls.description, {k: v[1] for k, v in cls.options.items()})
+            for name, cls in POLICIES.items()]
+
+
+def make_policy(spec: str | None = None, *, scale: float, budget: float | None = None,
+                optimizer: str | None = None) -> "Policy":
+    """Build a policy from a spec string (None: ``$HVD_SCALE_POLICY``, else 'adascale').
+
+    scale: S, the step's batch over the baseline batch (workers x backward passes by default).
+    budget: T, the baseline steps to train for (needed by ``warmup:fraction=...``).
+    optimizer: the optimizer's class name; a policy without theory for it raises ValueError.
+    """
+    if spec is None:
+        spec = os.environ.get(POLICY_ENV) or DEFAULT_POLICY
+    name, options = parse_spec(spec)
+    policy = POLICIES[name](scale=scale, budget=budget, **options)
+    if optimizer is not None:
+        policy.check_optimizer(optimizer)
+    return policy
+
+
+# -- the policies ------------------------------------------------------------------------------
+
+class Policy:
+    """Common state: scale S, steps taken, progress tau and the gain estimator.
+
+    Every policy measures the gain when it is given statistics (so sigma2, mu2, the noise scale
+    and the efficiency can be logged for any policy); only AdaScale's lr depends on it.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    options: ClassVar[dict[str, tuple]] = {}  # option -> (parser, help)
+    uses_statistics: ClassVar[bool] = False   # the lr needs per-step gradient statistics
+    statistics: ClassVar[str] = "plain"       # 'preconditioned': norms of the Adam-scaled gradient
+
+    def __init__(self, *, scale: float, budget: float | None = None, smoothing: float | None = None,
+                 **options: Any):
+        self._options = options
+        self._smoothing = smoothing
+        self.budget = None if budget is None else float(budget)
+        self.estimator = GainEstimator(scale, smoothing=smoothing)
+        self.steps = 0
+        self.progress = 0.0
+        self.skipped = 0
+
+    # What a subclass defines.
+    def factor(self) -> float:
+        """lr factor for the next step, from the state before it."""
+        raise NotImplementedError
+
+    def advance(self) -> float:
+        """How far tau moves for the step just taken."""
+        return self.scale
+
+    def check_optimizer(self, optimizer: str) -> None:
+        """Raise ValueError when this policy has no theory for the optimizer (fixed rules: any)."""
+
+    # The shared step.
+    def step(self, sqnorm_sum=None, mean_sqnorm=None, n: int | None = None) -> StepInfo:
+        """Account one optimizer step; statistics as in ``GainEstimator.update``.
+
+        Returns the factor to apply to this step's lr. Raises ValueError (state untouched) on
+        statistics that are missing where the policy needs them, or bad.
+        """
+        # A fixed rule only logs the estimate, and n = 1 simply gives none.
+        measurable = self.uses_statistics or n is None or int(n) >= 2
+        if sqnorm_sum is not None and measurable:
+            self.estimator.update(sqnorm_sum, mean_sqnorm, n)
+        elif self.uses_statistics and self.scale > 1:
+            raise ValueError(f"policy {self.name!r} needs gradient statistics every step")
+        before = self.progress
+        factor = self.factor()
+        self.progress = before + self.advance()
+        self.steps += 1
+        return StepInfo(self.steps, factor, before, self.progress, self.gain)
+
+    def skip(self) -> None:
+        """Count a skipped step (non-finite gradients): nothing else changes."""
+        self.skipped += 1
+
+    def done(self, budget: float | None = None) -> bool:
+        """True once tau has reached the budget T (baseline steps)."""
+        budget = self.budget if budget is None else budget
+        if budget is None:
+            raise ValueError("done() needs a budget in baseline steps (none was given to the policy)")
+        return self.progress >= budget
+
+    def rescale(self, new_scale: float) -> None:
+        """A new S (the world size changed): estimates and tau are in baseline units and stay."""
+        self.estimator.rescale(new_scale)
+
+    # What can be read and logged.
+    @property
+    def spec(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.spec_options().items())
+        return f"{self.name}:{opts}" if opts else self.name
+
+    def spec_options(self) -> dict[str, Any]:
+        opts = dict(self._options)
+        if self._smoothing is not None:
+            opts["smoothing"] = self._smoothing
+        return opts
+
+    @property
+    def scale(self) -> float:
+        return self.estimator.scale
+
+    @property
+    def gain(self) -> float:
+        return self.estimator.gain
+
+    @property
+    def lr_factor(self) -> float:
+        """The factor the next step would get with the statistics seen so far."""
+        return self.factor()
+
+    def metrics(self) -> dict[str, float]:
+        """One flat dict of floats for logs (Keras logs, CSV, TensorBoard)."""
+        est = self.estimator
+        return {"step": float(self.steps), "progress": self.progress, "scale": self.scale,
+                "gain": self.gain, "lr_factor": self.lr_factor, "sigma2": est.sigma2,
+                "mu2": est.mu2, "noise_scale": est.noise_scale, "efficiency": est.efficiency,
+                "skipped": float(self.skipped)}
+
+    # Checkpoints.
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "policy": self.spec, "steps": self.steps,
+                "progress": self.progress, "skipped": self.skipped,
+                "estimator": self.estimator.state_dict()}
+
+    def load_state_dict(self, d: Mapping) -> None:
+        """Restore steps, tau and estimates. The scale stays this job's own (resize on resume).
+
+        The checkpoint must come from the same policy spec; nothing changes on any error.
+        """
+        _check_keys("policy state", d, {"version", "policy", "steps", "progress", "skipped",
+                                        "estimator"})
+        if d["version"] != STATE_VERSION:
+            raise ValueError(f"policy state version {d['version']!r} is not supported "
+                             f"(expected {STATE_VERSION})")
+        if parse_spec(d["policy"]) != parse_spec(self.spec):
+            raise ValueError(f"checkpoint was saved by policy {d['policy']!r}, this job runs "
+                             f"{self.spec!r}; build the policy from the same spec to resume")
+        estimator = GainEstimator(self.scale)
+        estimator.load_state_dict(d["estimator"])
+        mine = self.estimator.state.sigma2_biased
+        theirs = estimator.state.sigma2_biased
+        if mine is not None and theirs is not None and mine.shape != theirs.shape:
+            raise ValueError(f"checkpoint has statistics for {theirs.size} parameter group(s), "
+                             f"this optimizer has {mine.size}")
+        estimator.rescale(self.scale)
+        self.estimator = estimator
+        self.steps, self.progress, self.skipped = int(d["steps"]), float(d["progress"]), int(d["skipped"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(spec={self.spec!r}, scale={self.scale:g}, " \
+               f"steps={self.steps}, progress={self.progress:g})"
+
+
+_SMOOTHING = {"smoothing": (_theta, "EMA theta of the gain statistics in [0, 1); "
+                                    "default 0.999**S (horizon ~1000 baseline batches)")}
+
+
+class NoScaling(Policy):
+    name = "none"
+    description = "lr unchanged at every scale (the baseline the other rules improve on)"
+
+    def factor(self) -> float:
+        return 1.0
+
+
+class LinearScaling(Policy):
+    name = "linear"
+    description = "lr x S (Goyal et al.): the linear scaling rule"
+
+    def factor(self) -> float:
+        return self.scale
+
+
+class SqrtScaling(Policy):
+    name = "sqrt"
+    description = "lr x sqrt(S): keeps the update's variance fixed"
+
+    def factor(self) -> float:
+        return math.sqrt(self.scale)
+
+
+class WarmupScaling(Policy):
+    name = "warmup"
+    description = ("linear rule reached by a linear ramp from 1 to S over a span of optimizer "
+                   "steps (default: the first 5.5% of the run, the AdaScale paper's LSW)")
+    options = {
+        "steps": (_positive_int, "ramp length in optimizer steps"),
+        "fraction": (_fraction, "ramp length as a fraction of the run's optimizer steps "
+                                "(budget / S); default 0.055"),
+    }
+    DEFAULT_FRACTION = 0.055  # the AdaScale paper's LSW baseline
+
+    def __init__(self, *, scale, budget=None, steps=None, fraction=None, **kw):
+        if steps is not None and fraction is not None:
+            raise ValueError("policy 'warmup' takes steps= or fraction=, not both")
+        if steps is None and fraction is None:
+            fraction = self.DEFAULT_FRACTION
+        options = {"steps": steps} if steps is not None else {"fraction": fraction}
+        if fraction is not None and budget is None:
+            raise ValueError(f"policy 'warmup' with fraction={fraction} needs the run's budget "
+                             "(baseline steps): pass budget=, or give warmup:steps=N")
+        super().__init__(scale=scale, budget=budget, **options, **kw)
+
+    @property
+    def span(self) -> int:
+        """Ramp length in optimizer steps (recomputed from the budget when S changes)."""
+        if "steps" in self._options:
+            return self._options["steps"]
+        return max(1, math.ceil(self._options["fraction"] * self.budget / self.scale))
+
+    def factor(self) -> float:
+        return 1.0 + (self.scale - 1.0) * min(1.0, self.steps / self.span)
+
+
+class AdaScale(Policy):
+    name = "adascale"
+    description = "lr x gain r in [1, S] measured from the gradient variance (Johnson et al. 2020); SGD"
+    options = _SMOOTHING
+    uses_statistics = True
+
+    def factor(self) -> float:
+        return self.gain
+
+    def advance(self) -> float:
+        return self.gain
+
+    def check_optimizer(self, optimizer: str) -> None:
+        family = optimizer_family(optimizer)
+        if family == "sgd":
+            return
+        hint = ("use policy 'adascale_adam' (preconditioned statistics, lr x sqrt(gain))"
+                if family == "adam" else "use a fixed rule: none, linear, sqrt or warmup")
+        raise ValueError(f"policy 'adascale' has theory for SGD (with momentum) only, got "
+                         f"optimizer {optimizer!r}: {hint}")
+
+
+class AdaScaleAdam(AdaScale):
+    name = "adascale_adam"
+    description = ("AdaScale for the Adam family (AdaptDL's variant): gain from the "
+                   "preconditioned gradient g / (sqrt(v_hat) + eps), lr x sqrt(r), tau += r")
+    statistics = "preconditioned"
+
+    def factor(self) -> float:
+        return math.sqrt(self.gain)
+
+    def check_optimizer(self, optimizer: str) -> None:
+        if optimizer_family(optimizer) != "adam":
+            raise ValueError(f"policy 'adascale_adam' is for {sorted(ADAM_FAMILY)}, got "
+                             f"optimizer {optimizer!r}; for SGD use 'adascale'")
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (NoScaling, LinearScaling, SqrtScaling, WarmupScaling, AdaScale,
+                              AdaScaleAdam)
+}
