@@ -1,0 +1,366 @@
+"""PyTorch adapter: ``hvd.DistributedOptimizer`` plus a learning-rate policy, in one line.
+
+    import horovod.torch as hvd
+    from hvd_scale.adapters.torch import DistributedOptimizer
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), policy="adascale")
+    while not opt.done(budget):          # budget in baseline (S = 1) steps
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+What this module does, and nothing more (the math is in the engine):
+
+* local statistics: a tensor hook on every parameter sees each backward pass's own gradient
+  (before accumulation and before Horovod's allreduce) and keeps its norm, a 0-d tensor: no
+  ``.item()`` per parameter and no gradient-sized copy;
+* the per-group sums of squared norms and the micro-batch count (the engine's layout) go out in one
+  small asynchronous allreduce started just before Horovod waits on the gradients, so it is fused
+  with the gradient traffic instead of adding a blocking collective;
+* |g_bar|^2 per group from the averaged gradient that Horovod leaves in ``p.grad``; the only host
+  transfer of the step brings these 2G + 1 numbers back;
+* the policy's lr factor multiplies each group's lr for the inner step, then the user's lr is
+  restored, so torch lr schedulers keep working on the baseline lr.
+
+One gain for the whole model (the paper's choice): the engine sums sigma2 and mu2 over groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any, Iterable
+
+import horovod.torch as hvd
+import torch
+
+from hvd_scale.launch import metrics as metrics_log
+from hvd_scale.policies import Policy, make_policy
+from hvd_scale.reduce import unpack_summed
+
+STATS_NAME = "hvd_scale.stats"
+
+
+def _build_policy(policy: str | Policy | None, scale: float, budget: float | None,
+                  optimizer_name: str) -> Policy:
+    if isinstance(policy, Policy):
+        policy.check_optimizer(optimizer_name)
+        if policy.scale != scale:
+            policy.rescale(scale)
+        return policy
+    return make_policy(policy, scale=scale, budget=budget, optimizer=optimizer_name)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap any torch optimizer: Horovod gradient averaging plus an lr scaling policy.
+
+    Args:
+        optimizer: the torch optimizer to wrap (its ``param_groups`` are shared, as in Horovod).
+        named_parameters: as for ``hvd.DistributedOptimizer``.
+        policy: a spec string (``"adascale"``, ``"warmup:fraction=0.055"``, ...), a ``Policy``, or
+            None for ``$HVD_SCALE_POLICY``, else ``"adascale"``.
+        backward_passes_per_step: k local backward passes per step (Horovod sums them).
+        scale: S; default workers x k (micro-batch = baseline batch). Give it when the baseline
+            batch differs from a micro-batch: S = workers x k x micro_batch / baseline_batch.
+        budget: T in baseline steps, for ``done()`` and ``warmup:fraction=``.
+        grad_scaler: a ``torch.amp.GradScaler`` in use, so statistics are taken unscaled.
+        measure: compute gradient statistics even when the policy does not need them (to log
+            sigma2, mu2, gain for fixed rules). Default: when the policy needs them or metrics
+            are logged.
+        log_dir: write per-step metrics there on rank 0 (CSV, TensorBoard, a progress bar);
+            default ``$HVD_SCALE_LOG_DIR`` (set by ``hvd-scale run --log-dir``), else none.
+        **horovod_options: compression, op, gradient_predivide_factor, groups, sparse_as_dense,
+            process_set: passed to ``hvd.DistributedOptimizer``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
+                 policy: str | Policy | None = None, backward_passes_per_step: int = 1, *,
+                 scale: float | None = None, budget: float | None = None,
+                 grad_scaler: Any = None, measure: bool | None = None, log_dir: str | None = None,
+                 **horovod_options: Any):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
+            raise TypeError("optimizer is already distributed: wrap the plain torch optimizer once")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
+                             f"{backward_passes_per_step!r}")
+        self.backward_passes_per_step = backward_passes_per_step
+        self.optimizer_name = type(optimizer).__name__
+        scale = float(hvd.size() * backward_passes_per_step) if scale is None else scale
+        self.policy = _build_policy(policy, scale, budget, self.optimizer_name)
+        op = horovod_options.get("op", hvd.Average)
+        log_dir = log_dir or os.environ.get(metrics_log.LOG_DIR_ENV) or None
+        # Decided alike on every rank (the statistics allreduce must run on all of them).
+        if measure is None:
+            measure = self.policy.uses_statistics or log_dir is not None
+        self._measure = bool(measure)
+        if self._measure and op not in (hvd.Average, hvd.Sum):
+            raise ValueError(f"policy {self.policy.name!r} measures the averaged gradient, which "
+                             f"op={op!r} (Adasum) does not produce: use op=hvd.Average, or a "
+                             "fixed policy (none, linear, sqrt, warmup) with measure=False")
+        self._op = op
+        self._grad_scaler = grad_scaler
+
+        self._hvd_opt = hvd.DistributedOptimizer(
+            optimizer, named_parameters=named_parameters,
+            backward_passes_per_step=backward_passes_per_step, **horovod_options)
+        # Become a real torch Optimizer over the same groups (lr schedulers check isinstance and
+        # read/write group["lr"]), then share the Horovod optimizer's groups and state outright.
+        super().__init__(self._hvd_opt.param_groups, self._hvd_opt.defaults)
+        self.param_groups = self._hvd_opt.param_groups
+        self.state = self._hvd_opt.state
+
+        self._norms: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
+        float64 = any(p.dtype == torch.float64 for g in self.param_groups for p in g["params"])
+        self._stats_dtype = torch.float64 if float64 else torch.float32
+        self._pending: torch.Tensor | None = None  # this step's [sums, count, q] after synchronize
+        self._synchronized = False
+        self._skip_sync = False
+        self._logger = None if log_dir is None else metrics_log.MetricsLogger(
+            log_dir, rank=hvd.rank(), budget=self.policy.budget,
+            run_info={"policy": self.policy.spec, "scale": self.policy.scale, "workers": hvd.size(),
+                      "backward_passes_per_step": backward_passes_per_step,
+                      "optimizer": self.optimizer_name, "framework": "torch"})
+        self._hooks = []
+        if self._measure:
+            for gi, group in enumerate(self.param_groups):
+                for p in group["params"]:
+                    if p.requires_grad:
+                        self._hooks.append(p.register_hook(self._make_norm_hook(gi, p)))
+
+    # -- statistics -----------------------------------------------------------------------------
+    def _make_norm_hook(self, group_index: int, p: torch.Tensor):
+        norms = self._norms[group_index]
+
+        def hook(grad: torch.Tensor) -> None:
+            # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
+            g = self._precondition(p, grad, self.param_groups[group_index])
+            # Half precision is widened inside the norm (no copy); float32/64 stay as they are.
+            wide = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
+            norms.append(torch.linalg.vector_norm(g, dtype=wide))
+        return hook
+
+    def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
+        """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
+        if self.policy.statistics != "preconditioned":
+            return grad
+        state = self.state.get(p)
+        if not state or "exp_avg_sq" not in state:
+            return grad  # first step: no second moment yet, the plain gradient
+        step = float(state["step"])
+        bias_correction2 = 1 - group["betas"][1] ** step
+        return grad / ((state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"]))
+
+    def _local_sums(self) -> torch.Tensor:
+        """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), in the gradients' dtype
+        (float32 for float32/16 models) so that Horovod fuses it with the gradient traffic."""
+        dt = self._stats_dtype
+        sums = [torch.stack([n.to(dt) for n in norms]).square().sum() if norms
+                else torch.zeros((), dtype=dt) for norms in self._norms]
+        for norms in self._norms:
+            norms.clear()
+        count = torch.tensor(float(self.backward_passes_per_step), dtype=dt)
+        return torch.stack(sums + [count])
+
+    def _mean_sqnorms(self) -> torch.Tensor:
+        """|g_bar|^2 per group from the averaged gradients in p.grad."""
+        # Horovod leaves the mean over workers of each worker's *sum* over its k passes
+        # (op=Sum: the sum over workers), so the mean micro-gradient is p.grad / divisor.
+        divisor = self.backward_passes_per_step * (hvd.size() if self._op == hvd.Sum else 1)
+        out = []
+        for group in self.param_groups:
+            grads = [self._precondition(p, p.grad, group) for p in group["params"] if p.grad is not None]
+            if grads:
+                norms = torch._foreach_norm(grads) if len(grads) > 1 else [torch.linalg.vector_norm(grads[0])]
+                out.append(torch.stack([n.to(self._stats_dtype) for n in norms]).square().sum()
+                           / divisor ** 2)
+            else:
+                out.append(torch.zeros((), dtype=self._stats_dtype))
+        return torch.stack(out)
+
+    # -- the Horovod protocol -------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``."""
+        if self._pending is not None:
+            # The previous step's statistics were never used: its step was skipped (AMP overflow).
+            self.policy.skip()
+            self._pending = None
+        handle = None
+        if self._measure:
+            # Started before Horovod waits on the gradients, so it rides in the same cycle.
+            handle = hvd.allreduce_async_(self._local_sums(), op=hvd.Sum, name=STATS_NAME)
+        self._hvd_opt.synchronize()
+        if handle is not None:
+            summed = hvd.synchronize(handle)
+            stats = torch.cat([summed, self._mean_sqnorms()])
+            if self._grad_scaler is not None and self._grad_scaler.is_enabled():
+                # Both the local sums and |g_bar|^2 were taken on scaled gradients: unscale
+                # them (squared norms: by the scale squared); the count stays.
+                inv = 1.0 / self._grad_scaler.get_scale() ** 2
+                groups = len(self.param_groups)
+                stats[:groups] *= inv
+                stats[groups + 1:] *= inv
+            self._pending = stats
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``opt.synchronize(); ...; with opt.skip_synchronize(): opt.step()`` (AMP, clipping)."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    # -- torch.optim.Optimizer ------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Synchronize, let the policy account the step, and apply it with lr x factor.
+
+        A step whose gradients are not finite is skipped on every rank: weights, optimizer state,
+        statistics and progress stay as they were (``policy.skipped`` counts it).
+        """
+        if not (self._synchronized or self._skip_sync):
+            self.synchronize()
+        self._synchronized = False
+        stats, self._pending = self._pending, None
+        if stats is not None:
+            values = stats.tolist()  # the step's one host transfer
+            groups = len(self.param_groups)
+            sqnorm_sum, n = unpack_summed(values[:groups + 1], groups)
+            mean_sqnorm = values[groups + 1:]
+            if not all(math.isfinite(v) for v in values):
+                self.policy.skip()
+                return None
+            info = self.policy.step(sqnorm_sum, mean_sqnorm, n)
+        else:
+            info = self.policy.step()
+        saved = [group["lr"] for group in self.param_groups]
+        try:
+            for group, lr in zip(self.param_groups, saved):
+                group["lr"] = lr * info.lr_factor
+            with self._hvd_opt.skip_synchronize():
+                return self._hvd_opt.step(closure)
+        finally:
+            for group, lr in zip(self.param_groups, saved):
+                group["lr"] = lr
+            if self._logger is not None:
+                self._logger.log({**self.policy.metrics(), "lr_factor": info.lr_factor,
+                                  "lr": saved[0] * info.lr_factor})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.
+        if self._hvd_opt._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize()")
+        torch.optim.Optimizer.zero_grad(self._hvd_opt, set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """``{"inner": the wrapped optimizer's state_dict, "hvd_scale": the policy's}``."""
+        return {"inner": self._hvd_opt.state_dict(), "hvd_scale": self.policy.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore both parts; everything is validated before anything changes."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"inner", "hvd_scale"}:
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"expected a state_dict with keys ['hvd_scale', 'inner'] (from "
+                             f"DistributedOptimizer.state_dict()), got {got}")
+        inner_groups = state_dict["inner"]["param_groups"]
+        if len(inner_groups) != len(self.param_groups):
+            raise ValueError(f"checkpoint has {len(inner_groups)} parameter group(s), this "
+                             f"optimizer has {len(self.param_groups)}")
+        policy = make_policy(self.policy.spec, scale=self.policy.scale, budget=self.policy.budget)
+        policy.load_state_dict(state_dict["hvd_scale"])
+        self._hvd_opt.load_state_dict(state_dict["inner"])
+        # torch's load_state_dict builds new group dicts and a new state: share them again.
+        self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
+        self.policy = policy
+        self._pending, self._synchronized = None, False
+        for norms in self._norms:
+            norms.clear()
+
+    # -- what can be read -----------------------------------------------------------------------
+    def log_loss(self, loss) -> None:
+        """Record the step's loss (float or tensor) in the metrics row of the next ``step()``."""
+        if self._logger is not None:
+            self._logger.set_loss(loss)
+
+    def close(self) -> None:
+        """Flush and close the metrics files (also done at interpreter exit by the OS)."""
+        if self._logger is not None:
+            self._logger.close()
+
+    def done(self, budget: float | None = None) -> bool:
+        """True once progress tau has reached the budget (baseline steps)."""
+        return self.policy.done(budget)
+
+    def rescale(self, scale: float | None = None) -> None:
+        """New S after a resize: default hvd.size() x backward passes."""
+        self.policy.rescale(float(hvd.size() * self.backward_passes_per_step) if scale is None else scale)
+
+    def metrics(self) -> dict[str, float]:
+        return self.policy.metrics()
+
+    gain = property(lambda self: self.policy.gain, doc="measured gain r in [1, S]")
+    lr_factor = property(lambda self: self.policy.lr_factor, doc="factor of the next step's lr")
+    progress = property(lambda self: self.policy.progress, doc="tau, in baseline steps")
+    scale = property(lambda self: self.policy.scale, doc="S")
+    sigma2 = property(lambda self: self.policy.estimator.sigma2)
+    mu2 = property(lambda self: self.policy.estimator.mu2)
+    noise_scale = property(lambda self: self.policy.estimator.noise_scale)
+    efficiency = property(lambda self: self.policy.estimator.efficiency)
+
+    def __repr__(self) -> str:
+        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"
+
+
+class ScaleInvariantScheduler:
+    """Step any torch ``LRScheduler`` in scale-invariant iterations: lr = schedule(floor(tau)).
+
+        sched = ScaleInvariantScheduler(torch.optim.lr_scheduler.StepLR(opt, 1000, 0.1), opt)
+        ...; opt.step(); sched.step()
+
+    The wrapped scheduler sees one of its steps per baseline step of progress, so a schedule
+    written for S = 1 runs unchanged at any scale and with any policy.
+    """
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: DistributedOptimizer):
+        if not isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer must be hvd_scale's DistributedOptimizer")
+        self.scheduler, self.optimizer = scheduler, optimizer
+        self._base_epoch = scheduler.last_epoch  # 0 after construction
+
+    def step(self) -> None:
+        target = self._base_epoch + int(math.floor(self.optimizer.progress))
+        while self.scheduler.last_epoch < target:
+            self.scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "base_epoch": self._base_epoch}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.scheduler.load_state_dict(state_dict["scheduler"])
+        self._base_epoch = state_dict["base_epoch"]
+
+
+def broadcast_state(model: torch.nn.Module, optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
+    """Broadcast the model, the optimizer state and the policy's state from root_rank."""
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+    hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
+    policy_state = hvd.broadcast_object(optimizer.policy.state_dict(), root_rank=root_rank)
+    optimizer.policy.load_state_dict(policy_state)
+
+
+def train_until(optimizer: DistributedOptimizer, budget: float, batches: Iterable) -> Iterable:
+    """Yield batches (cycling) until progress reaches the budget: ``for x, y in train_until(...)``."""
+    while True:
+        for batch in batches:
+            if optimizer.done(budget):
+                return
+            yield batch

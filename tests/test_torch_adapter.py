@@ -1,0 +1,138 @@
+"""The torch adapter under real `horovodrun -np 2` (Gloo): one job runs every case, tests check it."""
+
+import math
+import sys
+
+import pytest
+
+from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_results
+
+pytestmark = [requires_horovod]
+NP = 2
+LR = 0.05
+
+
+@pytest.fixture(scope="module")
+def results():
+    proc = run_horovod([sys.executable, str(WORKERS_DIR / "torch_adapter_worker.py")], np=NP,
+                       timeout=240)
+    by_case = {}
+    for r in worker_results(proc):
+        by_case.setdefault(r["case"], {})[r["rank"]] = r
+    return by_case
+
+
+def both_ranks(results, case):
+    ranks = results[case]
+    assert sorted(ranks) == list(range(NP)), f"{case}: reports from ranks {sorted(ranks)}"
+    return ranks[0], ranks[1]
+
+
+def close(a, b, rel=1e-5, abs_=1e-9):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,scale", [("reference_k1_sum", 2), ("reference_k2_sum", 4),
+                                        ("reference_k2_mean", 4)])
+def test_statistics_match_one_process_reference(results, case, scale):
+    r0, r1 = both_ranks(results, case)
+    assert r0["scale"] == scale
+    for row0, row1 in zip(r0["rows"], r1["rows"]):
+        # Identical on both ranks (the same numbers reach every rank's engine).
+        assert row0["gain"] == row1["gain"] and row0["progress"] == row1["progress"]
+        assert 1.0 <= row0["gain"] <= scale
+        # The gain equals the single-process reference from the same micro-batches.
+        assert close(row0["gain"], row0["ref_gain"]), row0
+        if case.endswith("_sum"):  # with loss / k the norms are k^2 smaller, the gain is not
+            assert close(row0["sigma2"], row0["ref_sigma2"]) and close(row0["mu2"], row0["ref_mu2"]), row0
+        # The update is -lr x gain x mean micro-gradient (plain SGD), per group lr.
+        assert row0["max_param_diff"] < 1e-6, row0
+        # The user's lr is restored after every step.
+        assert row0["lrs_after"] == [LR, LR / 2]
+    # progress = sum of gains
+    assert close(r0["rows"][-1]["progress"], sum(row["gain"] for row in r0["rows"]))
+
+
+@pytest.mark.timeout(300)
+def test_loss_convention_does_not_change_the_gain(results):
+    """With loss / k the micro-gradients are k times smaller: sigma2 and mu2 shrink by k^2 but the
+    gain equals the reference computed from the undivided micro-gradients."""
+    mean, _ = both_ranks(results, "reference_k2_mean")
+    k = 2
+    informative = [row for row in mean["rows"] if row["ref_mu2"] > 0]
+    assert len(informative) >= 2, "need steps where mu2 is not clipped to 0"
+    for row in informative:
+        assert close(row["gain"], row["ref_gain"], rel=1e-6), row
+        assert 1 < row["gain"] < 2 * k
+        assert close(row["sigma2"] * k ** 2, row["ref_sigma2"], rel=1e-6), row
+        assert close(row["mu2"] * k ** 2, row["ref_mu2"], rel=1e-6), row
+
+
+@pytest.mark.timeout(300)
+def test_each_policy_applies_its_factor(results):
+    r0, r1 = both_ranks(results, "policies")
+    s = r0["scale"]
+    assert s == NP
+    pol = r0["policies"]
+    expected = {"none": [1, 1, 1], "linear": [s] * 3, "sqrt": [math.sqrt(s)] * 3,
+                "warmup:steps=2": [1, 1 + (s - 1) / 2, s]}
+    for spec, factors in expected.items():
+        assert [round(f, 6) for f in pol[spec]["factors"]] == pytest.approx(factors, rel=1e-6), spec
+        assert pol[spec]["lrs"] == [LR] * 3, spec
+        assert pol[spec]["progress"] == pytest.approx(3 * s), spec
+    ada = pol["adascale"]
+    assert 1 <= ada["gain"] <= s
+    assert ada["factors"][-1] == pytest.approx(ada["gain"], rel=1e-6)
+    assert r1["policies"] == pol
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_resume_reproduces_the_run(results):
+    r0, r1 = both_ranks(results, "checkpoint")
+    assert r0["resumed"] == pytest.approx(r0["full"], rel=1e-12, abs=1e-12)
+    assert r0["resumed_progress"] == pytest.approx(r0["full_progress"], rel=1e-12)
+    # StepLR(step_size=3, gamma=0.5) ran in tau: the lr has decayed by 0.5 ** floor(tau / 3).
+    tau = r0["full_progress"]
+    assert r0["lr"] == pytest.approx(LR * 0.5 ** (math.floor(tau) // 3))
+    assert r1["resumed"] == r0["resumed"]
+
+
+@pytest.mark.timeout(300)
+def test_amp_overflow_skips_everything_and_stats_are_unscaled(results):
+    for r in both_ranks(results, "amp"):
+        rows = r["rows"]
+        assert rows[2]["moved"] == 0.0, "the overflowing step must not move the weights"
+        assert rows[2]["progress"] == rows[1]["progress"], "nor advance tau"
+        assert all(row["moved"] > 0 for i, row in enumerate(rows) if i != 2)
+        assert r["skipped"] == 1
+        # The skipped step left the statistics alone: the run equals one that never saw it,
+        # and the statistics are those of unscaled gradients.
+        for row in rows:
+            assert close(row["sigma2"], row["plain_sigma2"], rel=1e-4), row
+
+
+@pytest.mark.timeout(300)
+def test_nonfinite_gradient_is_skipped_on_every_rank(results):
+    r0, r1 = both_ranks(results, "nonfinite")
+    for r in (r0, r1):
+        assert r["skipped"] == 1
+        assert r["rows"][1]["moved"] == 0.0
+        assert r["rows"][1]["progress"] == r["rows"][0]["progress"]
+        assert r["rows"][2]["progress"] > r["rows"][1]["progress"]
+
+
+@pytest.mark.timeout(300)
+def test_unused_parameter(results):
+    r0, r1 = both_ranks(results, "unused")
+    assert r0["extra_unchanged"] and r1["extra_unchanged"]
+    assert 1 <= r0["gain"] <= NP and r0["gain"] == r1["gain"]
+    assert r0["progress"] == r1["progress"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bad_policy_and_optimizer_error_on_every_rank(results):
+    for r in both_ranks(results, "bad_policy"):
+        assert r["error"] and "'smooth'" in r["error"] and "smoothing" in r["error"]
+    for r in both_ranks(results, "bad_optimizer"):
+        assert r["error"] and "'Adam'" in r["error"] and "adascale_adam" in r["error"]

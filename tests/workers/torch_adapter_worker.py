@@ -1,0 +1,288 @@
+"""Run under horovodrun: checks of the torch adapter, each printing RESULT lines for the parent.
+
+Every rank draws its own micro-batches from a seed that depends on (rank, step, pass), and can
+therefore also rebuild *all* ranks' micro-batches to compute a single-process reference.
+"""
+
+import argparse
+import copy
+import json
+import math
+import sys
+import tempfile
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+from hvd_scale import GainEstimator
+from hvd_scale.adapters.torch import DistributedOptimizer, ScaleInvariantScheduler
+
+LR = 0.05
+
+
+def emit(case, **values):
+    print("RESULT " + json.dumps({"case": case, "rank": hvd.rank(), **values}), flush=True)
+
+
+class WithUnused(torch.nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.extra = torch.nn.Linear(4, 4)  # never used in forward: its grad stays None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def make_model(seed=0, unused=False):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return (WithUnused(model) if unused else model).double()
+
+
+def micro_batch(rank, step, k_pass, size=16):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + k_pass)
+    x = torch.randn(size, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (size,), generator=g)
+    return x, y
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def flat_grads(model, groups):
+    """Per-group flattened gradient of the current .grad."""
+    return [torch.cat([p.grad.reshape(-1) for p in g if p.grad is not None]) for g in groups]
+
+
+def params_vector(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def two_groups(model):
+    return [[model[0].weight, model[0].bias], [model[2].weight, model[2].bias]]
+
+
+def case_reference(k, divide_loss):
+    """Adapter vs one-process reference; SGD without momentum, two parameter groups."""
+    size = hvd.size()
+    model = make_model()
+    ref = copy.deepcopy(model)
+    groups = two_groups(model)
+    opt = torch.optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": LR / 2}], lr=LR)
+    opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), policy="adascale",
+                               backward_passes_per_step=k)
+    ref_est = GainEstimator(scale=size * k)
+    ref_opt_lrs = [LR, LR / 2]
+    rows = []
+    for step in range(4):
+        opt.zero_grad()
+        for j in range(k):
+            x, y = micro_batch(hvd.rank(), step, j)
+            loss = loss_fn(model, x, y)
+            (loss / k if divide_loss else loss).backward()
+        opt.step()
+        # Reference: all ranks' micro-batches in one process, groups with their own lr.
+        batches = [micro_batch(r, step, j) for r in range(size) for j in range(k)]
+        per_micro = []
+        for x, y in batches:
+            ref.zero_grad()
+            loss_fn(ref, x, y).backward()
+            per_micro.append(flat_grads(ref, two_groups(ref)))
+        sq_sum = [sum(float(g[i].square().sum()) for g in per_micro) for i in range(2)]
+        mean = [torch.stack([g[i] for g in per_micro]).mean(0) for i in range(2)]
+        gain = ref_est.update(sq_sum, [float(m.square().sum()) for m in mean], len(batches))
+        # Horovod sums the k passes' gradients: with an undivided loss the applied gradient is
+        # k x the mean micro-gradient (the user's convention), with loss / k it is the mean.
+        applied = 1 if divide_loss else k
+        with torch.no_grad():
+            for i, group in enumerate(two_groups(ref)):
+                offset = 0
+                for p in group:
+                    p -= ref_opt_lrs[i] * gain * applied * mean[i][offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+        rows.append({"gain": opt.gain, "ref_gain": gain, "sigma2": opt.sigma2,
+                     "ref_sigma2": ref_est.sigma2, "mu2": opt.mu2, "ref_mu2": ref_est.mu2,
+                     "progress": opt.progress,
+                     "max_param_diff": float((params_vector(model) - params_vector(ref)).abs().max()),
+                     "lrs_after": [g["lr"] for g in opt.param_groups]})
+    emit(f"reference_k{k}_{'mean' if divide_loss else 'sum'}", scale=opt.scale, rows=rows)
+
+
+def case_policies():
+    """Each policy's factor is what the parameters moved by; the user's lr comes back."""
+    out = {}
+    for spec in ["none", "linear", "sqrt", "warmup:steps=2", "adascale"]:
+        model = make_model()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=model.named_parameters(), policy=spec)
+        factors, lrs = [], []
+        for step in range(3):
+            opt.zero_grad()
+            x, y = micro_batch(hvd.rank(), step, 0)
+            loss_fn(model, x, y).backward()
+            before = params_vector(model).clone()
+            opt.step()
+            grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # averaged
+            moved = before - params_vector(model)
+            factors.append(float(moved.dot(grad) / grad.dot(grad)) / LR)
+            lrs.append(opt.param_groups[0]["lr"])
+        out[spec] = {"factors": factors, "lrs": lrs, "gain": opt.gain, "progress": opt.progress}
+    emit("policies", scale=hvd.size(), policies=out)
+
+
+def train(model, opt, steps, start=0, scheduler=None):
+    losses = []
+    for step in range(start, steps):
+        opt.zero_grad()
+        x, y = micro_batch(hvd.rank(), step, 0)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(float(hvd.allreduce(loss.detach(), name=f"loss{step}")))
+    return losses
+
+
+def new_run():
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                               named_parameters=model.named_parameters(), policy="adascale")
+    sched = ScaleInvariantScheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5), opt)
+    return model, opt, sched
+
+
+def case_checkpoint():
+    """Resuming from a checkpoint reproduces the uninterrupted run."""
+    model, opt, sched = new_run()
+    full = train(model, opt, 8, scheduler=sched)
+    full_state = opt.state_dict()["hvd_scale"]
+
+    model, opt, sched = new_run()
+    first = train(model, opt, 4, scheduler=sched)
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/ckpt.pt"
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "sched": sched.state_dict()}, path)
+        model, opt, sched = new_run()
+        ckpt = torch.load(path, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        sched.load_state_dict(ckpt["sched"])
+    rest = train(model, opt, 8, start=4, scheduler=sched)
+    emit("checkpoint", full=full, resumed=first + rest, full_progress=full_state["progress"],
+         resumed_progress=opt.progress, lr=opt.param_groups[0]["lr"])
+
+
+def case_amp():
+    """GradScaler: statistics unscaled; an overflowing step changes neither weights nor tau."""
+    model = make_model().float()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                               named_parameters=model.named_parameters(), policy="adascale",
+                               grad_scaler=scaler)
+    plain = make_model().float()
+    plain_opt = DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=LR),
+                                     named_parameters=plain.named_parameters(), policy="adascale")
+    rows = []
+    for step in range(4):
+        x, y = micro_batch(hvd.rank(), step, 0)
+        x = x.float()
+        if step == 2 and hvd.rank() == 1:
+            x = x * float("inf")  # one worker overflows: every rank must skip
+        opt.zero_grad()
+        scaler.scale(loss_fn(model, x, y)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        before = params_vector(model).clone()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        moved = float((params_vector(model) - before).abs().max())
+        if step != 2:
+            plain_opt.zero_grad()
+            loss_fn(plain, x, y).backward()
+            plain_opt.step()
+        rows.append({"step": step, "moved": moved, "progress": opt.progress, "gain": opt.gain,
+                     "sigma2": opt.sigma2, "plain_sigma2": plain_opt.sigma2})
+    # The skip is counted when the next step synchronizes.
+    emit("amp", rows=rows, skipped=opt.policy.skipped)
+
+
+def case_nonfinite():
+    """Without AMP a non-finite gradient skips the step on every rank, weights untouched."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                               named_parameters=model.named_parameters(), policy="adascale")
+    rows = []
+    for step in range(3):
+        x, y = micro_batch(hvd.rank(), step, 0)
+        if step == 1 and hvd.rank() == 0:
+            x = x * float("nan")
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        before = params_vector(model).clone()
+        opt.step()
+        after = params_vector(model)
+        rows.append({"moved": float((after - before).abs().max()) if torch.isfinite(after).all()
+                     else float("nan"), "progress": opt.progress})
+    emit("nonfinite", rows=rows, skipped=opt.policy.skipped)
+
+
+def case_unused():
+    """A parameter with no gradient and set_to_none zeroing: runs, gain from the used ones."""
+    model = make_model(unused=True)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                               named_parameters=model.named_parameters(), policy="adascale")
+    extra_before = model.extra.weight.detach().clone()
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        x, y = micro_batch(hvd.rank(), step, 0)
+        loss_fn(model, x, y).backward()
+        opt.step()
+    emit("unused", gain=opt.gain, progress=opt.progress,
+         extra_unchanged=bool(torch.equal(extra_before, model.extra.weight.detach())))
+
+
+def case_bad_policy():
+    model = make_model()
+    try:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), policy="adascale:smooth=1")
+        emit("bad_policy", error=None)
+    except ValueError as e:
+        emit("bad_policy", error=str(e))
+    try:
+        DistributedOptimizer(torch.optim.Adam(model.parameters()), policy="adascale")
+        emit("bad_optimizer", error=None)
+    except ValueError as e:
+        emit("bad_optimizer", error=str(e))
+
+
+CASES = {
+    "reference": lambda: case_reference(1, False),
+    "accumulate": lambda: (case_reference(2, False), case_reference(2, True)),
+    "policies": case_policies,
+    "checkpoint": case_checkpoint,
+    "amp": case_amp,
+    "nonfinite": case_nonfinite,
+    "unused": case_unused,
+    "bad_policy": case_bad_policy,
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cases", nargs="*", default=list(CASES))
+    args = parser.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    for name in args.cases:
+        CASES[name]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
