@@ -41,7 +41,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # torch is pinned alone first so that nothing later can resolve it to a (CUDA) build from PyPI.
 "${PIP[@]}" install "torch==$TORCH_VERSION"
 "${PIP[@]}" install "torch==$TORCH_VERSION" "$TENSORFLOW_SPEC" 'numpy>=1.26' \
-    pytest pytest-timeout hypothesis tqdm matplotlib scikit-learn mnist1d \
+    pytest pytest-timeout hypothesis tqdm matplotlib tensorboard scikit-learn mnist1d \
     cffi cloudpickle psutil pyyaml packaging
 # mpi4py from source, so it links Debian's OpenMPI (the one horovodrun --mpi uses).
 if ! "$VENV/bin/python" -c 'import mpi4py' 2>/dev/null; then

@@ -1,0 +1,108 @@
+"""B2: step time of the torch adapter against plain ``hvd.DistributedOptimizer``.
+
+    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/torch_overhead.py
+
+Variants, interleaved round by round in one job so that machine noise hits all of them alike:
+    plain     hvd.DistributedOptimizer(SGD)
+    none      hvd_scale DistributedOptimizer, policy none (no statistics)
+    adascale  hvd_scale DistributedOptimizer, policy adascale
+Models: a 1-D CNN with > 1M parameters, and an MLP with > 100 small parameter tensors.
+Reported: median step time (forward + backward + step) over the measured steps, as ratios to plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+
+from hvd_scale.adapters.torch import DistributedOptimizer
+
+
+def cnn() -> torch.nn.Module:
+    # ~1.28M parameters, most in the convolutions: compute-bound per step.
+    return torch.nn.Sequential(
+        torch.nn.Conv1d(1, 64, 5, padding=2), torch.nn.ReLU(),
+        torch.nn.Conv1d(64, 128, 5, padding=2), torch.nn.ReLU(),
+        torch.nn.Conv1d(128, 256, 5, padding=2), torch.nn.ReLU(),
+        torch.nn.Conv1d(256, 256, 5, padding=2), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool1d(8), torch.nn.Flatten(), torch.nn.Linear(256 * 8, 128),
+        torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def mlp() -> torch.nn.Module:
+    # 60 linear layers of 32 units: 120 small parameter tensors, so per-tensor costs show.
+    layers = [torch.nn.Flatten(), torch.nn.Linear(40, 32)]
+    for _ in range(59):
+        layers += [torch.nn.Tanh(), torch.nn.Linear(32, 32)]
+    layers[-1] = torch.nn.Linear(32, 10)
+    return torch.nn.Sequential(*layers)
+
+
+MODELS = {"cnn": (cnn, (1, 40)), "mlp": (mlp, (40,))}
+
+
+def make_variant(kind: str, model: torch.nn.Module):
+    base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if kind == "plain":
+        return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    return DistributedOptimizer(base, named_parameters=model.named_parameters(), policy=kind)
+
+
+def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int) -> dict:
+    build, shape = MODELS[model_name]
+    variants = {}
+    for kind in ("plain", "none", "adascale"):
+        torch.manual_seed(0)
+        model = build()
+        variants[kind] = (model, make_variant(kind, model), [])
+    params = sum(p.numel() for p in variants["plain"][0].parameters())
+    tensors = sum(1 for _ in variants["plain"][0].parameters())
+    g = torch.Generator().manual_seed(hvd.rank())
+    x = torch.randn(batch, *shape, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    per_round = max(1, (steps + warmup) // rounds)
+    for r in range(rounds):
+        for kind, (model, opt, times) in variants.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+    out = {"model": model_name, "params": params, "tensors": tensors, "batch": batch}
+    for kind, (_, _, times) in variants.items():
+        measured = times[warmup:]
+        # Every rank's step ends in the same collectives, so rank 0's times speak for the job.
+        out[kind] = {"median_ms": 1000 * statistics.median(measured), "steps": len(measured)}
+    for kind in ("none", "adascale"):
+        out[kind]["ratio_to_plain"] = out[kind]["median_ms"] / out["plain"]["median_ms"]
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="cnn,mlp")
+    p.add_argument("--steps", type=int, default=60, help="measured steps per variant")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=10, help="interleaving rounds")
+    args = p.parse_args(argv)
+    hvd.init()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    for name in args.models.split(","):
+        result = run(name, args.steps, args.warmup, args.batch, args.rounds)
+        if hvd.rank() == 0:
+            print("RESULT " + json.dumps({"rank": 0, **result}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Train a small 1-D CNN on MNIST-1D with Horovod and an hvd_scale policy.
+
+    horovodrun --gloo -np 2 -H localhost:2 python examples/torch_mnist1d.py --policy adascale
+
+The baseline (S = 1) schedule is written once, in baseline steps: lr, then x0.1 at 50% and 75% of
+the budget. Every policy runs it in scale-invariant iterations, lr(floor(tau)) x factor, and stops
+when tau reaches the budget, so runs at different scales and with different policies compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mnist1d_data  # noqa: E402
+
+from hvd_scale import lr_at, schedules  # noqa: E402
+from hvd_scale.adapters.torch import DistributedOptimizer, broadcast_state  # noqa: E402
+
+
+def make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Unflatten(1, (1, 40)),
+        torch.nn.Conv1d(1, 32, 5, padding=2), torch.nn.ReLU(),
+        torch.nn.Conv1d(32, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv1d(32, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 10, 10),
+    )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--policy", default=None, help="policy spec (default: $HVD_SCALE_POLICY or adascale)")
+    p.add_argument("--batch-size", type=int, default=32, help="micro-batch per worker and pass")
+    p.add_argument("--baseline-batch", type=int, default=None, help="B0 (default: --batch-size)")
+    p.add_argument("--accumulate", type=int, default=1, help="backward passes per step")
+    p.add_argument("--budget", type=float, default=3000, help="baseline (S = 1) steps to train for")
+    p.add_argument("--lr", type=float, default=0.05, help="baseline learning rate")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--samples", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=50, help="print every N optimizer steps (0: never)")
+    return p.parse_args(argv)
+
+
+def evaluate(model, x, y) -> float:
+    model.eval()
+    with torch.no_grad():
+        acc = (model(torch.from_numpy(x)).argmax(1) == torch.from_numpy(y)).float().mean().item()
+    model.train()
+    return acc
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    hvd.init()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(args.seed)
+    data = mnist1d_data.load(args.samples)
+
+    model = make_model()
+    baseline = args.baseline_batch or args.batch_size
+    scale = hvd.size() * args.accumulate * args.batch_size / baseline
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
+        named_parameters=model.named_parameters(), policy=args.policy,
+        backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget)
+    broadcast_state(model, opt)
+    schedule = schedules.StepDecay(args.lr, milestones=[int(0.5 * args.budget), int(0.75 * args.budget)])
+    batches = mnist1d_data.shard_batches(data["x"], data["y"], args.batch_size, hvd.rank(),
+                                         hvd.size(), seed=args.seed)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    gains, start = [], time.perf_counter()
+    while not opt.done():
+        for group in opt.param_groups:
+            group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
+        opt.zero_grad()
+        for _ in range(args.accumulate):
+            x, y = next(batches)
+            loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)) / args.accumulate
+            loss.backward()
+        opt.step()
+        gains.append(opt.gain)
+        if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
+            print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
+                  f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.4f}  loss {loss.item() * args.accumulate:.3f}",
+                  flush=True)
+    elapsed = time.perf_counter() - start
+    summary = {
+        "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
+        "accumulate": args.accumulate, "steps": opt.policy.steps, "progress": opt.progress,
+        "test_accuracy": evaluate(model, data["x_test"], data["y_test"]),
+        "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed, "seed": args.seed,
+        "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+    }
+    if hvd.rank() == 0:
+        print(f"done: policy {summary['policy']}, S = {summary['scale']:g}, {summary['steps']} steps "
+              f"(tau {summary['progress']:.0f}), test accuracy {summary['test_accuracy']:.3f}, "
+              f"mean gain {summary['mean_gain']:.2f}, {elapsed:.1f} s", flush=True)
+    print("RESULT " + json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

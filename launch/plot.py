@@ -1,0 +1,53 @@
+"""``hvd-scale plot``: several runs on one picture (matplotlib, Agg: no display needed).
+
+Panels: gain, effective lr and tau against the optimizer step; a metric (the loss by default)
+against tau. Each run is labelled by its policy and scale from its run.json.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+from typing import Sequence
+
+
+def read_run(run_dir: str | pathlib.Path) -> tuple[str, dict[str, list[float]]]:
+    run_dir = pathlib.Path(run_dir)
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        raise FileNotFoundError(f"{run_dir} has no metrics.csv (was the job run with --log-dir {run_dir}?)")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    columns = {k: [float(r[k]) if r[k] not in ("", None) else math.nan for r in rows] for k in rows[0]}
+    info_path = run_dir / "run.json"
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    label = f"{info.get('policy', run_dir.name)}, S={info.get('scale', '?'):g}" \
+        if isinstance(info.get("scale"), (int, float)) else str(info.get("policy", run_dir.name))
+    return label, columns
+
+
+def plot_runs(run_dirs: Sequence[str], output: str, metric: str = "loss") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [read_run(d) for d in run_dirs]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    panels = [(axes[0, 0], "step", "gain", "gain r"), (axes[0, 1], "step", "lr", "effective lr"),
+              (axes[1, 0], "step", "progress", "tau (baseline steps)"),
+              (axes[1, 1], "progress", metric, f"{metric} vs tau")]
+    for ax, x, y, title in panels:
+        for label, cols in runs:
+            if y in cols and x in cols and not all(math.isnan(v) for v in cols[y]):
+                ax.plot(cols[x], cols[y], label=label)
+        ax.set_title(title)
+        ax.set_xlabel("tau" if x == "progress" else "optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.savefig(output, dpi=80)
+    plt.close(fig)

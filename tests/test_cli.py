@@ -1,0 +1,99 @@
+"""The `hvd-scale` command: parsing and errors in-process, one real end-to-end run."""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_scale.launch import cli
+from hvd_scale.launch.metrics import COLUMNS
+from hvdrun import REPO_ROOT, requires_horovod, worker_env
+
+HVD_SCALE = Path(sys.executable).parent / "hvd-scale"
+
+
+def test_bad_policy_exits_2_before_anything_starts(capsys):
+    assert cli.main(["run", "-np", "2", "--policy", "linaer", "--", "false"]) == 2
+    err = capsys.readouterr().err
+    assert "'linaer'" in err and "adascale" in err and "warmup" in err
+
+
+def test_bad_policy_option_exits_2(capsys):
+    assert cli.main(["run", "--policy", "warmup:span=3", "--", "true"]) == 2
+    assert "'span'" in capsys.readouterr().err
+
+
+def test_run_needs_a_command(capsys):
+    assert cli.main(["run", "-np", "2"]) == 2
+    assert "after `--`" in capsys.readouterr().err
+
+
+def test_np_must_be_positive():
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "-np", "0", "--", "true"])
+    assert e.value.code == 2
+
+
+def test_missing_horovodrun_names_the_setup(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_horovodrun", lambda: None)
+    assert cli.main(["run", "--", "true"]) == 127
+    assert "make setup" in capsys.readouterr().err
+
+
+def test_policies_lists_every_policy_and_option(capsys):
+    assert cli.main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in ("none", "linear", "sqrt", "warmup", "adascale", "adascale_adam"):
+        assert f"\n{name} " in "\n" + out
+    assert "warmup:fraction=" in out and "adascale:smoothing=" in out
+
+
+@requires_horovod
+@pytest.mark.timeout(120)
+def test_check_reports_the_horovod_build():
+    proc = subprocess.run([str(HVD_SCALE), "check"], capture_output=True, text=True, timeout=100,
+                          env=worker_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "horovod     0.28.1" in proc.stdout
+    assert "horovod[PyTorch]: built; MPI True, Gloo True" in proc.stdout
+    assert "horovod[TensorFlow]: built; MPI True, Gloo True" in proc.stdout
+
+
+@requires_horovod
+@pytest.mark.timeout(300)
+def test_run_end_to_end_writes_metrics_and_plot(tmp_path):
+    log_dir = tmp_path / "linear"
+    budget, np_ = 40, 2
+    cmd = [str(HVD_SCALE), "run", "-np", str(np_), "--gloo", "--policy", "linear",
+           "--log-dir", str(log_dir), "--", sys.executable, "examples/torch_mnist1d.py",
+           "--budget", str(budget), "--log-every", "0", "--samples", "2000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=REPO_ROOT,
+                          env=worker_env(), start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(log_dir / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == COLUMNS
+    # linear at S = 2: tau advances by 2 a step, so budget / 2 steps, one row each.
+    assert len(rows) == math.ceil(budget / np_)
+    assert [float(r["lr_factor"]) for r in rows] == [2.0] * len(rows)
+    assert float(rows[-1]["progress"]) == budget
+    assert all(1.0 <= float(r["gain"]) <= 2.0 for r in rows)  # measured although linear
+    info = json.loads((log_dir / "run.json").read_text())
+    assert info["policy"] == "linear" and info["scale"] == 2.0 and info["workers"] == 2
+    assert any((log_dir / "tb").iterdir()), "TensorBoard event file missing"
+
+    png = tmp_path / "plot.png"
+    plot = subprocess.run([str(HVD_SCALE), "plot", str(log_dir), "-o", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_plot_of_a_directory_without_metrics_fails_clearly(tmp_path, capsys):
+    assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
+    assert "no metrics.csv" in capsys.readouterr().err
