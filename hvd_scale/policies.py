@@ -183,6 +183,8 @@ class Policy:
         Returns the factor to apply to this step's lr. Raises ValueError (state untouched) on
         statistics that are missing where the policy needs them, or bad.
         """
+        if n is not None and int(n) < 1:
+            raise ValueError(f"n (micro-gradients in the step) must be >= 1, got {n!r}")
         # A fixed rule only logs the estimate, and n = 1 simply gives none.
         measurable = self.uses_statistics or n is None or int(n) >= 2
         if sqnorm_sum is not None and measurable:
@@ -270,8 +272,9 @@ class Policy:
             raise ValueError(f"checkpoint has statistics for {theirs.size} parameter group(s), "
                              f"this optimizer has {mine.size}")
         estimator.rescale(self.scale)
+        steps, progress, skipped = int(d["steps"]), float(d["progress"]), int(d["skipped"])
         self.estimator = estimator
-        self.steps, self.progress, self.skipped = int(d["steps"]), float(d["progress"]), int(d["skipped"])
+        self.steps, self.progress, self.skipped = steps, progress, skipped
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(spec={self.spec!r}, scale={self.scale:g}, " \
