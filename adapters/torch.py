@@ -364,3 +364,26 @@ def train_until(optimizer: DistributedOptimizer, budget: float, batches: Iterabl
             if optimizer.done(budget):
                 return
             yield batch
+
+
+# -- Horovod elastic ----------------------------------------------------------------------------
+
+def _elastic_handler():
+    """A ``hvd.elastic.TorchState`` handler for this optimizer, registered ahead of Horovod's own
+    (whose broadcast expects a flat torch state_dict): commit/restore the nested state, and on a
+    sync after a reset broadcast it from rank 0 and recompute S from the new world size."""
+    from horovod.torch.elastic import state as elastic_state
+
+    class ScaledOptimizerStateHandler(elastic_state.OptimizerStateHandler):
+        def sync(self):
+            opt = self.value
+            hvd.broadcast_optimizer_state(opt._hvd_opt, root_rank=0)
+            opt.policy.load_state_dict(hvd.broadcast_object(opt.policy.state_dict(), root_rank=0))
+            opt.rescale()  # S = new hvd.size() x k; AdaScale keeps its estimates and tau
+
+    registry = elastic_state.get_handler_registry()
+    if not any(cls is DistributedOptimizer for cls, _ in registry):
+        elastic_state.set_handler_registry([(DistributedOptimizer, ScaledOptimizerStateHandler)] + registry)
+
+
+_elastic_handler()
