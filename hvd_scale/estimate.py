@@ -190,6 +190,7 @@ class GainEstimator:
         self._scale = check_scale(scale)
         self._smoothing = _check_smoothing(smoothing)
         self.state = EstimatorState()
+        self._gain_memo = None
 
     # -- the update ---------------------------------------------------------------------------
     def update(self, sqnorm_sum, mean_sqnorm, n: int) -> float:
@@ -245,7 +246,13 @@ class GainEstimator:
         """r in [1, S]; 1 before any statistics (and always at S = 1)."""
         if self._scale == 1.0 or self.state.sigma2_biased is None:
             return 1.0
-        return gain_ratio(self.group_sigma2, self.group_mu2, self._scale)
+        # A policy step reads the gain several times (factor, progress, logs): compute it once
+        # per state. States are replaced, never mutated, so identity is a safe key.
+        memo = self._gain_memo
+        if memo is None or memo[0] is not self.state or memo[1] != self._scale:
+            memo = self._gain_memo = (self.state, self._scale,
+                                      gain_ratio(self.group_sigma2, self.group_mu2, self._scale))
+        return memo[2]
 
     @property
     def noise_scale(self) -> float:
