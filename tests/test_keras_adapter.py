@@ -1,0 +1,204 @@
+"""The Keras adapter under real `horovodrun -np 2` (Gloo): one job runs every case, tests check it."""
+
+import math
+import sys
+
+import pytest
+
+from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_results
+
+pytestmark = [requires_horovod]
+NP = 2
+LR = 0.05
+
+
+@pytest.fixture(scope="module")
+def results():
+    proc = run_horovod([sys.executable, str(WORKERS_DIR / "keras_adapter_worker.py")], np=NP,
+                       timeout=420)
+    by_case = {}
+    for r in worker_results(proc):
+        by_case.setdefault(r["case"], {})[r["rank"]] = r
+    return by_case
+
+
+def both_ranks(results, case):
+    ranks = results.get(case, {})
+    assert sorted(ranks) == list(range(NP)), f"{case}: reports from ranks {sorted(ranks)}"
+    return ranks[0], ranks[1]
+
+
+def close(a, b, rel=1e-9, abs_=1e-12):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case,scale", [("reference_k1", NP), ("reference_k2", 2 * NP)])
+def test_custom_loop_matches_one_process_reference(results, case, scale):
+    r0, r1 = both_ranks(results, case)
+    assert r0["scale"] == scale  # n = workers x backward passes
+    for i, (row0, row1) in enumerate(zip(r0["rows"], r1["rows"])):
+        assert row0["gain"] == row1["gain"] and row0["progress"] == row1["progress"]
+        assert 1.0 <= row0["gain"] <= scale
+        # float64 model, float64 statistics: the one-process reference to rounding.
+        assert close(row0["gain"], row0["ref_gain"]), row0
+        assert close(row0["sigma2"], row0["ref_sigma2"]) and close(row0["mu2"], row0["ref_mu2"]), row0
+        # The update is -lr x gain x mean micro-gradient, and the user's lr is unchanged.
+        assert row0["max_param_diff"] < 1e-12, row0
+        assert row0["lr_after"] == pytest.approx(LR, rel=1e-7)
+        assert row0["iterations"] == i + 1
+    assert len(r0["rows"]) == 4
+    assert close(r0["rows"][-1]["progress"], sum(row["gain"] for row in r0["rows"]))
+    assert r0["rows"][-1]["gain"] > 1.0  # something was measured
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("run", ["float32", "mixed"])
+def test_float32_and_mixed_dtype_models(results, run):
+    r0, r1 = both_ranks(results, "dtypes")
+    a, b = r0["runs"][run], r1["runs"][run]
+    assert a["dtypes"] == (["float32"] if run == "float32" else ["float32", "float64"])
+    assert a["rows"] == b["rows"] and a["hash"] == b["hash"]
+    for row in a["rows"]:
+        assert 1.0 <= row["gain"] <= NP
+        # float32 gradients and (float32) statistics against a float64 reference of them.
+        assert row["gain"] == pytest.approx(row["ref_gain"], rel=1e-5), row
+    assert a["max_param_diff"] < 1e-5
+
+
+@pytest.mark.timeout(480)
+def test_each_policy_applies_its_factor(results):
+    r0, r1 = both_ranks(results, "policies")
+    s = r0["scale"]
+    assert s == NP
+    pol = r0["policies"]
+    expected = {"none": [1, 1, 1], "linear": [s] * 3, "sqrt": [math.sqrt(s)] * 3,
+                "warmup:steps=2": [1, 1 + (s - 1) / 2, s]}
+    for spec, factors in expected.items():
+        assert pol[spec]["factors"] == pytest.approx(factors, rel=1e-6), spec
+        assert pol[spec]["lrs"] == pytest.approx([LR] * 3, rel=1e-7), spec
+        assert pol[spec]["progress"] == pytest.approx(3 * s), spec
+    ada = pol["adascale"]
+    assert 1 <= ada["gain"] <= s
+    # The movement of step t is the gain measured at step t (the factor the step received).
+    assert ada["factors"][-1] == pytest.approx(ada["gain"], rel=1e-6)
+    adam = pol["adascale_adam"]
+    assert all(1 <= g <= s for g in adam["gains"])
+    assert adam["lr_factor"] == pytest.approx(math.sqrt(adam["gains"][-1]))
+    assert adam["progress"] == pytest.approx(sum(adam["gains"]))
+    assert r1["policies"] == pol
+
+
+@pytest.mark.timeout(480)
+def test_schedule_runs_in_scale_invariant_iterations(results):
+    r0, r1 = both_ranks(results, "schedule")
+    # linear at S = 2: tau = 0, 2, 4 before the steps; lr(t) = LR * 0.5 ** t; applied lr x S.
+    for i, row in enumerate(r0["rows"]):
+        assert row["tau_before"] == pytest.approx(NP * i)
+        expected = NP * LR * 0.5 ** math.floor(row["tau_before"])
+        assert row["lr"] == pytest.approx(expected, rel=1e-6), row
+        assert row["last_lr"] == pytest.approx(expected, rel=1e-6), row
+    assert r0["iterations"] == 3 and r0["progress"] == pytest.approx(3 * NP)
+    # learning_rate reads the schedule at floor(tau) = 6.
+    assert r0["lr_now"] == pytest.approx(LR * 0.5 ** 6, rel=1e-6)
+    assert r1["rows"] == r0["rows"]
+
+
+@pytest.mark.timeout(480)
+def test_fit_trains_in_sync_and_stops_at_the_budget(results):
+    r0, r1 = both_ranks(results, "fit")
+    # BroadcastInitialState: ranks were initialised differently, start (and end) identical.
+    assert r0["start_hash"] == r1["start_hash"]
+    assert r0["hash"] == r1["hash"], "replicas diverged"
+    # Loss goes down.
+    for r in (r0, r1):
+        assert r["losses"][-1] < 0.8 * r["losses"][0], r["losses"]
+    # Gains equal on every rank, within [1, S], measured (not all 1).
+    assert r0["rows"] == r1["rows"]
+    gains = [row["gain"] for row in r0["rows"]]
+    assert all(1.0 <= g <= NP for g in gains) and max(gains) > 1.0
+    # ScalingMetrics: keys in History; stops after the step that reaches the budget.
+    for key in ("gain", "lr", "progress", "sigma2", "mu2", "noise_scale", "efficiency"):
+        assert key in r0["keys"], key
+    assert r0["progress"] >= r0["budget"] > r0["progress"] - gains[-1]
+    assert r0["epoch_progress"][-1] == pytest.approx(r0["progress"])
+    assert r0["iterations"] == len(r0["rows"])
+    assert r0["epochs"] < 50
+    assert r0["epoch_lr"][-1] == pytest.approx(0.2 * r0["epoch_gain"][-1], rel=1e-6)
+
+
+@pytest.mark.timeout(480)
+def test_fit_with_accumulation(results):
+    r0, r1 = both_ranks(results, "fit_accumulate")
+    assert r0["scale"] == 2 * NP  # 2 workers x 2 backward passes
+    assert r0["iterations"] == 15  # 30 batches / 2
+    assert r0["rows"] == r1["rows"] and r0["hash"] == r1["hash"]
+    gains = [row["gain"] for row in r0["rows"]]
+    assert len(gains) == 15 and all(1.0 <= g <= 2 * NP for g in gains) and max(gains) > 1.0
+    assert r0["losses"][-1] < r0["losses"][0]
+    # log_dir: rank 0 writes one CSV row per optimizer step (as the torch adapter), rank 1 none.
+    assert r0["csv_progress"] == pytest.approx([row["progress"] for row in r0["rows"]])
+    assert r1["csv_progress"] is None
+
+
+@pytest.mark.timeout(480)
+def test_save_and_load_continue_the_run(results):
+    r0, r1 = both_ranks(results, "checkpoint")
+    for r in (r0, r1):
+        loaded = r["loaded"]
+        assert loaded["type"] == "DistributedOptimizer" and loaded["inner"] == "SGD"
+        assert loaded["policy"] == "adascale"
+        assert loaded["progress"] == r["saved_progress"] > 0
+        assert loaded["pending"] == 1  # saved in the middle of an accumulation
+        assert r["resumed_iterations"] == r["full_iterations"] == 7
+        assert r["resumed_progress"] == r["full_progress"]
+        assert r["max_weight_diff"] == 0.0 and r["resumed_hash"] == r["full_hash"]
+        # tf.train.Checkpoint carries the same state.
+        assert r["tf_checkpoint_progress"] == r["full_progress"]
+        assert r["tf_checkpoint_hash"] == r["full_hash"]
+    assert r0["full_hash"] == r1["full_hash"]
+
+
+@pytest.mark.timeout(480)
+def test_nonfinite_gradient_is_skipped_on_every_rank(results):
+    r0, r1 = both_ranks(results, "nonfinite")
+    assert r0["start_hash"] == r1["start_hash"]  # broadcast_state in a custom loop
+    for r in (r0, r1):
+        rows = r["rows"]
+        assert r["skipped"] == 1
+        assert rows[1]["moved"] == 0.0
+        assert rows[1]["progress"] == rows[0]["progress"] and rows[1]["iterations"] == 1
+        assert rows[1]["sigma2"] == rows[0]["sigma2"]  # statistics untouched
+        assert rows[2]["moved"] > 0 and rows[2]["progress"] > rows[1]["progress"]
+    assert r0["hash"] == r1["hash"]
+
+
+@pytest.mark.timeout(480)
+def test_loss_scale_optimizer_inside(results):
+    for r in both_ranks(results, "loss_scale"):
+        rows = r["rows"]
+        assert r["skipped"] == 1
+        assert rows[2]["moved"] == 0.0 and rows[2]["progress"] == rows[1]["progress"]
+        assert rows[2]["loss_scale"] == rows[1]["loss_scale"] / 2  # LossScaleOptimizer saw it
+        for row in rows:  # statistics of unscaled gradients: the plain run's
+            assert close(row["sigma2"], row["plain_sigma2"], rel=1e-9), row
+        assert r["max_weight_diff"] < 1e-12
+
+
+@pytest.mark.timeout(480)
+def test_jit_compile_is_refused_or_switched_off(results):
+    for r in both_ranks(results, "jit"):
+        assert r["error"] and "jit_compile=False" in r["error"]
+        assert r["warned"] and r["jit_after"] is False
+        assert r["trained"] == 1 and r["progress"] > 0
+
+
+@pytest.mark.timeout(480)
+def test_bad_arguments_error_on_every_rank(results):
+    for r in both_ranks(results, "bad_policy"):
+        e = r["errors"]
+        assert e["bad_option"] and "'smooth'" in e["bad_option"] and "smoothing" in e["bad_option"]
+        assert e["unknown"] and "'adascalle'" in e["unknown"] and "adascale" in e["unknown"]
+        assert e["bad_optimizer"] and "'Adam'" in e["bad_optimizer"] and "adascale_adam" in e["bad_optimizer"]
+        assert e["keras_accumulation"] and "backward_passes_per_step" in e["keras_accumulation"]
+        assert r["alive"] == NP

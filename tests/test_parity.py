@@ -1,0 +1,51 @@
+"""The torch and Keras adapters agree: same model, weights and micro-batches give the same gains.
+
+Two `horovodrun -np 2` jobs (one per framework) run tests/workers/parity_worker.py. Tolerance:
+float32's, relative 1e-5 for gains, tau, sigma2 and mu2, 1e-6 absolute for the weights. Both
+adapters keep float64 statistics for a float64 model, and the runs agree to ~1e-15 today; the
+float32 tolerance leaves room for a summation order or a float32 statistics path to change,
+while any difference of convention (lr, loss scaling over k, n, S) shows at 1e-3 or more.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+
+from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_results
+
+pytestmark = [requires_horovod]
+NP = 2
+GAIN_RTOL = 1e-5
+WEIGHT_ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for framework in ("torch", "keras"):
+        proc = run_horovod([sys.executable, str(WORKERS_DIR / "parity_worker.py"),
+                            "--framework", framework], np=NP, timeout=240)
+        for r in worker_results(proc):
+            out[(framework, r["k"], r["rank"])] = r
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("k", [1, 2])
+def test_same_gains_in_torch_and_keras(runs, k):
+    for rank in range(NP):
+        t, kr = runs[("torch", k, rank)], runs[("keras", k, rank)]
+        assert t["scale"] == kr["scale"] == NP * k
+        assert len(t["rows"]) == len(kr["rows"]) == 6
+        tg = np.array([row["gain"] for row in t["rows"]])
+        kg = np.array([row["gain"] for row in kr["rows"]])
+        assert np.all((tg >= 1) & (tg <= NP * k)) and tg.max() > 1.0
+        np.testing.assert_allclose(kg, tg, rtol=GAIN_RTOL)
+        for key in ("progress", "sigma2", "mu2"):  # mu2 may be clipped to exactly 0: atol
+            np.testing.assert_allclose([row[key] for row in kr["rows"]], [row[key] for row in t["rows"]],
+                                       rtol=GAIN_RTOL, atol=1e-12, err_msg=key)
+        np.testing.assert_allclose(kr["weights"], t["weights"], atol=WEIGHT_ATOL)
+    # Each framework's ranks agree exactly among themselves.
+    for framework in ("torch", "keras"):
+        assert runs[(framework, k, 0)]["rows"] == runs[(framework, k, 1)]["rows"]

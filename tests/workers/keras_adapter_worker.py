@@ -1,0 +1,411 @@
+"""Run under horovodrun: checks of the Keras adapter, each printing RESULT lines for the parent.
+
+Every rank draws its own micro-batches from a seed that depends on (rank, step, pass), and can
+therefore also rebuild *all* ranks' micro-batches to compute a single-process reference. Models
+are float64 (keras floatx), so references agree to rounding.
+"""
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvd_scale import GainEstimator
+from hvd_scale.adapters.keras import (BroadcastInitialState, DistributedOptimizer, ScalingMetrics,
+                                      broadcast_state)
+
+keras.config.set_floatx("float64")  # before any Keras object (the loss below) is made
+LR = 0.05
+
+
+def emit(case, **values):
+    print("RESULT " + json.dumps({"case": case, "rank": hvd.rank(), **values}), flush=True)
+
+
+def make_model(seed=0, dtypes=(None, None)):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((8,), dtype=dtypes[0]),
+                             keras.layers.Dense(16, activation="tanh", dtype=dtypes[0]),
+                             keras.layers.Dense(3, dtype=dtypes[1])])
+
+
+def micro_batch(rank, step, k_pass, size=16):
+    rng = np.random.default_rng(1000 * step + 10 * rank + k_pass)
+    x = rng.normal(size=(size, 8))
+    y = rng.integers(0, 3, size)
+    return x, y
+
+
+def dataset(rank, samples):
+    """A rank's shard for fit: labels depend on x, so the loss can go down."""
+    rng = np.random.default_rng(7 + rank)
+    x = rng.normal(size=(samples, 8))
+    y = (np.argmax(x[:, :3] + 0.3 * rng.normal(size=(samples, 3)), axis=1)).astype("int64")
+    return x, y
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def grads_of(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = LOSS(y, model(x, training=True))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def flat(tensors):
+    return np.concatenate([np.asarray(t).reshape(-1) for t in tensors])
+
+
+def weights_vector(model):
+    return flat(model.get_weights())
+
+
+def weights_hash(model):
+    return hashlib.sha256(weights_vector(model).astype(np.float64).tobytes()).hexdigest()
+
+
+def averaged(grads, name):
+    """The mean over workers of each rank's gradient (what the adapter should apply)."""
+    out = hvd.grouped_allreduce([tf.convert_to_tensor(g) for g in grads], op=hvd.Average, name=name)
+    return flat(out)
+
+
+# -- cases --------------------------------------------------------------------------------------
+
+def case_reference(k, use_function):
+    """Custom loop vs a one-process AdaScale reference from all ranks' micro-batches (plain SGD)."""
+    size = hvd.size()
+    model, ref = make_model(), make_model()
+    opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale",
+                               backward_passes_per_step=k)
+
+    def train_step(x, y):
+        opt.apply(grads_of(model, x, y), model.trainable_variables)
+
+    if use_function:
+        train_step = tf.function(train_step)
+    ref_est = GainEstimator(scale=size * k)
+    rows = []
+    for step in range(4):
+        for j in range(k):
+            train_step(*micro_batch(hvd.rank(), step, j))
+        per_micro = [flat(grads_of(ref, *micro_batch(r, step, j)))
+                     for r in range(size) for j in range(k)]
+        mean = np.mean(per_micro, axis=0)
+        gain = ref_est.update(sum(float(g @ g) for g in per_micro), float(mean @ mean), len(per_micro))
+        offset = 0
+        for v in ref.trainable_variables:
+            n = int(np.prod(v.shape))
+            v.assign(v.numpy() - LR * gain * mean[offset:offset + n].reshape(v.shape))
+            offset += n
+        rows.append({"gain": opt.gain, "ref_gain": gain, "sigma2": opt.sigma2,
+                     "ref_sigma2": ref_est.sigma2, "mu2": opt.mu2, "ref_mu2": ref_est.mu2,
+                     "progress": opt.progress, "iterations": int(opt.iterations.numpy()),
+                     "max_param_diff": float(np.max(np.abs(weights_vector(model) - weights_vector(ref)))),
+                     "lr_after": float(opt.learning_rate.numpy())})
+    emit(f"reference_k{k}", scale=opt.scale, rows=rows, function=use_function)
+
+
+def case_dtypes():
+    """A float32 model (its statistics travel in the float32 group) and a float32/float64 one
+    (one allreduce group per dtype) against the one-process reference in float64."""
+    size = hvd.size()
+    out = {}
+    for name, dtypes in {"float32": ("float32", "float32"), "mixed": ("float32", "float64")}.items():
+        model, ref = make_model(dtypes=dtypes), make_model(dtypes=dtypes)
+        opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale")
+        step_fn = tf.function(lambda x, y: opt.apply(grads_of(model, x, y), model.trainable_variables))
+        ref_est = GainEstimator(scale=size)
+        rows = []
+        for step in range(3):
+            x, y = micro_batch(hvd.rank(), step, 0)
+            step_fn(x.astype("float32"), y)
+            per_micro = [flat(grads_of(ref, x_.astype("float32"), y_)).astype(np.float64)
+                         for x_, y_ in (micro_batch(r, step, 0) for r in range(size))]
+            mean = np.mean(per_micro, axis=0)
+            gain = ref_est.update(sum(float(g @ g) for g in per_micro), float(mean @ mean), size)
+            offset = 0
+            for v in ref.trainable_variables:
+                n = int(np.prod(v.shape))
+                v.assign((v.numpy() - LR * gain * mean[offset:offset + n].reshape(v.shape)).astype(v.dtype))
+                offset += n
+            rows.append({"gain": opt.gain, "ref_gain": gain, "progress": opt.progress})
+        out[name] = {"rows": rows, "hash": weights_hash(model),
+                     "dtypes": sorted({v.dtype for v in model.trainable_variables}),
+                     "max_param_diff": float(np.max(np.abs(weights_vector(model) - weights_vector(ref))))}
+    emit("dtypes", runs=out)
+
+
+def case_policies():
+    """Each policy's factor is what the weights moved by; the user's lr comes back."""
+    out = {}
+    for spec in ["none", "linear", "sqrt", "warmup:steps=2", "adascale"]:
+        model = make_model()
+        opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy=spec)
+        factors, lrs = [], []
+        for step in range(3):
+            grads = grads_of(model, *micro_batch(hvd.rank(), step, 0))
+            gbar = averaged(grads, f"check.{spec}.{step}")
+            before = weights_vector(model)
+            opt.apply(grads, model.trainable_variables)
+            moved = before - weights_vector(model)
+            factors.append(float(moved @ gbar / (gbar @ gbar)) / LR)
+            lrs.append(float(opt.learning_rate.numpy()))
+        out[spec] = {"factors": factors, "lrs": lrs, "gain": opt.gain, "progress": opt.progress}
+    # AdaScale for Adam: preconditioned statistics, lr x sqrt(gain).
+    model = make_model()
+    opt = DistributedOptimizer(keras.optimizers.Adam(1e-3), policy="adascale_adam")
+    gains = []
+    for step in range(4):
+        opt.apply(grads_of(model, *micro_batch(hvd.rank(), step, 0)), model.trainable_variables)
+        gains.append(opt.gain)
+    out["adascale_adam"] = {"gains": gains, "progress": opt.progress,
+                            "lr_factor": opt.lr_factor}
+    emit("policies", scale=hvd.size(), policies=out)
+
+
+def case_schedule():
+    """A LearningRateSchedule runs in tau: the step at progress tau uses lr(floor(tau)) x factor."""
+    model = make_model()
+    schedule = keras.optimizers.schedules.ExponentialDecay(LR, decay_steps=1, decay_rate=0.5)
+    opt = DistributedOptimizer(keras.optimizers.SGD(schedule), policy="linear")
+    rows = []
+    for step in range(3):
+        grads = grads_of(model, *micro_batch(hvd.rank(), step, 0))
+        gbar = averaged(grads, f"check.schedule.{step}")
+        before, tau = weights_vector(model), opt.progress
+        opt.apply(grads, model.trainable_variables)
+        moved = before - weights_vector(model)
+        rows.append({"tau_before": tau, "lr": float(moved @ gbar / (gbar @ gbar)),
+                     "last_lr": opt.last_learning_rate})
+    emit("schedule", rows=rows, iterations=int(opt.iterations.numpy()), progress=opt.progress,
+         lr_now=float(opt.learning_rate.numpy()))
+
+
+class Recorder(keras.callbacks.Callback):
+    """Per optimizer step: (gain, progress); and the weights' hash when training starts."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows, self.start_hash, self._steps = [], None, 0
+
+    def on_train_begin(self, logs=None):
+        self.start_hash = weights_hash(self.model)
+
+    def on_train_batch_end(self, batch, logs=None):
+        opt = self.model.optimizer
+        if opt.policy.steps != self._steps:
+            self._steps = opt.policy.steps
+            self.rows.append({"gain": opt.gain, "progress": opt.progress})
+
+
+def case_fit():
+    """model.fit: replicas start apart, get broadcast, train in sync, stop at the budget."""
+    x, y = dataset(hvd.rank(), 160)  # 10 batches of 16 per epoch
+    model = make_model(seed=100 + hvd.rank())  # different on purpose: the broadcast must fix it
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.2, momentum=0.9), policy="adascale")
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+    recorder = Recorder()
+    budget = 45.0
+    history = model.fit(x, y, batch_size=16, epochs=50, shuffle=False, verbose=0,
+                        callbacks=[BroadcastInitialState(), recorder, ScalingMetrics(budget=budget)])
+    emit("fit", losses=history.history["loss"], keys=sorted(history.history),
+         epoch_gain=history.history["gain"], epoch_progress=history.history["progress"],
+         epoch_lr=history.history["lr"], rows=recorder.rows, start_hash=recorder.start_hash,
+         hash=weights_hash(model), scale=opt.scale, budget=budget, progress=opt.progress,
+         iterations=int(opt.iterations.numpy()), epochs=len(history.history["loss"]))
+
+
+def case_fit_accumulate():
+    """model.fit with backward_passes_per_step=2: S = workers x 2."""
+    x, y = dataset(hvd.rank(), 160)
+    model = make_model()
+    log_dir = tempfile.mkdtemp()
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.2), policy="adascale", backward_passes_per_step=2,
+                               log_dir=log_dir)
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+    recorder = Recorder()
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[recorder])
+    opt.close()
+    csv_path = os.path.join(log_dir, "metrics.csv")
+    csv_rows = None
+    if os.path.exists(csv_path):  # rank 0 only
+        with open(csv_path) as f:
+            csv_rows = list(csv.DictReader(f))
+    emit("fit_accumulate", losses=history.history["loss"], rows=recorder.rows,
+         hash=weights_hash(model), scale=opt.scale, iterations=int(opt.iterations.numpy()),
+         progress=opt.progress,
+         csv_progress=None if csv_rows is None else [float(r["progress"]) for r in csv_rows])
+
+
+def new_checkpoint_model():
+    model = make_model()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    opt = DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=0.9), policy="adascale",
+                               backward_passes_per_step=2)
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+    return model
+
+
+def case_checkpoint():
+    """model.save / load_model in the middle of a run (and of an accumulation) continues it."""
+    x, y = dataset(hvd.rank(), 80)  # 5 micro-batches per epoch: epoch 1 ends mid-accumulation
+    fit = dict(batch_size=16, shuffle=False, verbose=0)
+    full = new_checkpoint_model()
+    full.fit(x, y, epochs=3, **fit)
+
+    part = new_checkpoint_model()
+    part.fit(x, y, epochs=1, **fit)
+    saved_progress = part.optimizer.progress
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"rank{hvd.rank()}.keras")
+        part.save(path)
+        resumed = keras.models.load_model(path)
+        # The same through a TensorFlow checkpoint into a freshly built model.
+        prefix = tf.train.Checkpoint(model=part, optimizer=part.optimizer).save(os.path.join(d, "tf"))
+        restored = new_checkpoint_model()
+        restored.optimizer.build(restored.trainable_variables)
+        tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
+            prefix).assert_existing_objects_matched()
+    restored.fit(x, y, epochs=2, **fit)
+    opt = resumed.optimizer
+    loaded = {"type": type(opt).__name__, "policy": opt.policy.spec, "progress": opt.progress,
+              "pending": int(opt._micro_steps.numpy()), "inner": type(opt.inner_optimizer).__name__}
+    resumed.fit(x, y, epochs=2, **fit)
+    emit("checkpoint", saved_progress=saved_progress, loaded=loaded,
+         full_progress=full.optimizer.progress, resumed_progress=opt.progress,
+         full_iterations=int(full.optimizer.iterations.numpy()),
+         resumed_iterations=int(opt.iterations.numpy()),
+         max_weight_diff=float(np.max(np.abs(weights_vector(full) - weights_vector(resumed)))),
+         full_hash=weights_hash(full), resumed_hash=weights_hash(resumed),
+         tf_checkpoint_progress=restored.optimizer.progress,
+         tf_checkpoint_hash=weights_hash(restored))
+
+
+def case_nonfinite():
+    """A NaN gradient on one rank skips the step on every rank, weights and tau untouched."""
+    model = make_model(seed=hvd.rank())
+    opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale")
+    broadcast_state(model, opt)  # custom loop: the helper builds the optimizer and broadcasts
+    start_hash = weights_hash(model)
+    rows = []
+    for step in range(3):
+        x, y = micro_batch(hvd.rank(), step, 0)
+        if step == 1 and hvd.rank() == 0:
+            x = x * np.nan
+        before = weights_vector(model)
+        opt.apply(grads_of(model, x, y), model.trainable_variables)
+        after = weights_vector(model)
+        rows.append({"moved": float(np.max(np.abs(after - before))), "progress": opt.progress,
+                     "iterations": int(opt.iterations.numpy()), "sigma2": opt.sigma2})
+    emit("nonfinite", rows=rows, skipped=opt.policy.skipped, start_hash=start_hash,
+         hash=weights_hash(model))
+
+
+def case_loss_scale():
+    """DistributedOptimizer(LossScaleOptimizer): statistics unscaled; an overflow skips everywhere."""
+    model = make_model()
+    inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=2.0 ** 10)
+    opt = DistributedOptimizer(inner, policy="adascale")
+    plain = make_model()
+    plain_opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale")
+    rows = []
+    for step in range(4):
+        x, y = micro_batch(hvd.rank(), step, 0)
+        if step == 2 and hvd.rank() == 1:
+            x = x * np.inf
+        with tf.GradientTape() as tape:
+            loss = opt.scale_loss(LOSS(y, model(x, training=True)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        before = weights_vector(model)
+        opt.apply(grads, model.trainable_variables)
+        moved = float(np.max(np.abs(weights_vector(model) - before)))
+        if step != 2:
+            plain_opt.apply(grads_of(plain, x, y), plain.trainable_variables)
+        rows.append({"moved": moved, "progress": opt.progress, "sigma2": opt.sigma2,
+                     "plain_sigma2": plain_opt.sigma2, "loss_scale": float(inner.dynamic_scale.numpy())})
+    emit("loss_scale", rows=rows, skipped=opt.policy.skipped,
+         max_weight_diff=float(np.max(np.abs(weights_vector(model) - weights_vector(plain)))))
+
+
+def case_jit():
+    """jit_compile=True: a clear error without the callbacks; the callbacks switch XLA off."""
+    x, y = dataset(hvd.rank(), 32)
+    model = make_model()
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(LR)), loss=LOSS, jit_compile=True)
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    model = make_model()
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(LR)), loss=LOSS, jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[ScalingMetrics()])
+    emit("jit", error=error, jit_after=bool(model.jit_compile), trained=len(history.history["loss"]),
+         warned=any("jit_compile" in str(w.message) for w in caught),
+         progress=model.optimizer.progress)
+
+
+def case_bad_policy():
+    errors = {}
+    attempts = {
+        "bad_option": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale:smooth=1"),
+        "unknown": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascalle"),
+        "bad_optimizer": lambda: DistributedOptimizer(keras.optimizers.Adam(), policy="adascale"),
+        "keras_accumulation": lambda: DistributedOptimizer(
+            keras.optimizers.SGD(LR, gradient_accumulation_steps=2), policy="linear"),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    # Every rank is still in step: a collective completes.
+    alive = float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="check.alive"))
+    emit("bad_policy", errors=errors, alive=alive)
+
+
+CASES = {
+    "reference": lambda: (case_reference(1, True), case_reference(2, False)),
+    "dtypes": case_dtypes,
+    "policies": case_policies,
+    "schedule": case_schedule,
+    "fit": case_fit,
+    "fit_accumulate": case_fit_accumulate,
+    "checkpoint": case_checkpoint,
+    "nonfinite": case_nonfinite,
+    "loss_scale": case_loss_scale,
+    "jit": case_jit,
+    "bad_policy": case_bad_policy,
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cases", nargs="*", default=list(CASES))
+    args = parser.parse_args()
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    for name in args.cases:
+        CASES[name]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Run under horovodrun, once per framework: the same AdaScale run through the torch adapter or
+the Keras adapter, reported per optimizer step for tests/test_parity.py to compare.
+
+Both runs use one model (8 -> 16 tanh -> 3, float64, SGD without momentum), the same initial
+weights (numpy, seed 123) and the same micro-batches per (rank, step, pass) (numpy seeds). With
+backward_passes_per_step=k the torch side divides the loss by k, so both apply the *mean*
+micro-gradient (the Keras adapter's convention); its statistics are then k^2 smaller, the gain
+is not. The Keras side trains with model.fit, one micro-batch per batch.
+
+    horovodrun --gloo -np 2 -H localhost:2 python tests/workers/parity_worker.py --framework keras
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+LR = 0.05
+STEPS = 6
+BATCH = 16
+PASSES = (1, 2)
+
+
+def initial_weights():
+    """torch layout: W1 (16, 8), b1 (16), W2 (3, 16), b2 (3)."""
+    rng = np.random.default_rng(123)
+    return [rng.normal(0, 0.5, (16, 8)), rng.normal(0, 0.1, 16), rng.normal(0, 0.5, (3, 16)),
+            rng.normal(0, 0.1, 3)]
+
+
+def micro_batch(rank, step, k_pass):
+    rng = np.random.default_rng(1000 * step + 10 * rank + k_pass)
+    return rng.normal(size=(BATCH, 8)), rng.integers(0, 3, BATCH)
+
+
+def emit(rank, **values):
+    print("RESULT " + json.dumps({"rank": rank, **values}), flush=True)
+
+
+def run_torch(k):
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_scale.adapters.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), initial_weights()):
+            p.copy_(torch.from_numpy(w))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                               named_parameters=model.named_parameters(), policy="adascale",
+                               backward_passes_per_step=k)
+    rows = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for j in range(k):
+            x, y = micro_batch(hvd.rank(), step, j)
+            loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+            (loss / k).backward()
+        opt.step()
+        rows.append({"gain": opt.gain, "progress": opt.progress,
+                     # statistics of the user's micro-gradients (loss / k): back to loss units
+                     "sigma2": opt.sigma2 * k * k, "mu2": opt.mu2 * k * k})
+    weights = np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()])
+    return hvd.rank(), opt.scale, rows, weights
+
+
+def run_keras(k):
+    import horovod.tensorflow as hvd
+    import keras
+    import tensorflow as tf
+
+    from hvd_scale.adapters.keras import DistributedOptimizer
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    keras.config.set_floatx("float64")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3)])
+    w1, b1, w2, b2 = initial_weights()
+    model.set_weights([w1.T, b1, w2.T, b2])
+    opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale", backward_passes_per_step=k)
+    model.compile(optimizer=opt, jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = [micro_batch(hvd.rank(), step, j) for step in range(STEPS) for j in range(k)]
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    rows = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if opt.policy.steps > len(rows):
+                rows.append({"gain": opt.gain, "progress": opt.progress, "sigma2": opt.sigma2,
+                             "mu2": opt.mu2})
+
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[Record()])
+    w1, b1, w2, b2 = model.get_weights()
+    weights = np.concatenate([w1.T.reshape(-1), b1, w2.T.reshape(-1), b2])
+    return hvd.rank(), opt.scale, rows, weights
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framework", choices=["torch", "keras"], required=True)
+    args = parser.parse_args()
+    if args.framework == "torch":
+        import horovod.torch as hvd
+    else:
+        import horovod.tensorflow as hvd
+    hvd.init()
+    run = run_torch if args.framework == "torch" else run_keras
+    for k in PASSES:
+        rank, scale, rows, weights = run(k)
+        emit(rank, framework=args.framework, k=k, scale=scale, rows=rows, weights=weights.tolist())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
