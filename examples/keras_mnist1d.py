@@ -21,7 +21,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import horovod.tensorflow as hvd
 import keras
 import numpy as np
-from mnist1d.data import get_dataset_args, make_dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mnist1d_data  # noqa: E402
 
 from hvd_scale.adapters.keras import BroadcastInitialState, DistributedOptimizer, ScalingMetrics
 
@@ -33,10 +35,10 @@ def parse_args(argv=None):
                         "$HVD_SCALE_POLICY, else adascale")
     p.add_argument("--batch-size", type=int, default=32, help="micro-batch per worker (= baseline batch)")
     p.add_argument("--accumulate", type=int, default=1, help="backward passes per optimizer step")
-    p.add_argument("--budget", type=float, default=1500, help="training length in baseline steps")
+    p.add_argument("--budget", type=float, default=3000, help="training length in baseline steps")
     p.add_argument("--lr", type=float, default=0.05, help="baseline (S = 1) learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--samples", type=int, default=5000, help="MNIST-1D samples (80%% train)")
+    p.add_argument("--samples", type=int, default=10_000, help="MNIST-1D samples (80%% train)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("batch_size", "accumulate", "samples"):
@@ -49,16 +51,13 @@ def parse_args(argv=None):
 
 def load_data(samples, rank, size, batch, accumulate):
     """This worker's training shard (equal length on every worker) and the whole test set."""
-    data_args = get_dataset_args()
-    data_args.num_samples = samples
-    data = make_dataset(data_args)
-    x, y = data["x"].astype("float32"), data["y"].astype("int64")
+    data = mnist1d_data.load(samples)
+    x, y = data["x"], data["y"]
     per_worker = len(x) // size // (batch * accumulate) * (batch * accumulate)
     if per_worker == 0:
         raise SystemExit(f"{samples} samples leave no full step of {batch} x {accumulate} per worker")
     shard = slice(rank * per_worker, (rank + 1) * per_worker)
-    return (x[shard, :, None], y[shard]), (data["x_test"].astype("float32")[:, :, None],
-                                           data["y_test"].astype("int64"))
+    return (x[shard, :, None], y[shard]), (data["x_test"][:, :, None], data["y_test"])
 
 
 def make_model(length):
@@ -106,7 +105,11 @@ def main(argv=None) -> int:
                                          args.accumulate)
     model = make_model(x.shape[1])
     # measure=True: the fixed rules log the gain they leave on the table as well.
-    opt = DistributedOptimizer(keras.optimizers.SGD(args.lr, momentum=args.momentum),
+    # The baseline schedule of the torch example, in baseline steps: x0.1 at 50% and 75%.
+    # The adapter evaluates it at floor(tau), so it runs unchanged at every scale.
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay(
+        [int(0.5 * args.budget), int(0.75 * args.budget)], [args.lr, args.lr / 10, args.lr / 100])
+    opt = DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=args.momentum),
                                policy=args.policy, backward_passes_per_step=args.accumulate,
                                budget=args.budget, measure=hvd.size() * args.accumulate > 1)
     model.compile(optimizer=opt, jit_compile=False, metrics=["accuracy"],
