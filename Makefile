@@ -1,0 +1,45 @@
+# hvd_scale: set up the environment, run the tests, run the demo.
+#
+#   make setup   build .venv (torch, TensorFlow, Horovod 0.28.1 from source); skipped when up to date
+#   make test    the whole test suite, real multi-process Horovod jobs included
+#   make demo    a 2-process horovodrun MNIST-1D training run with AdaScale, and its summary
+#   make smoke   a 2-process Horovod job without hvd_scale
+#   make clean   remove caches and build leftovers (keeps .venv; `make distclean` removes it too)
+
+SHELL := /bin/bash
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.hvd_scale_ready
+# Wall-clock limit for the whole test run, in seconds (each test also has its own pytest-timeout).
+TEST_TIMEOUT ?= 3600
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo smoke clean distclean
+
+setup: $(STAMP)
+
+# Re-run the (idempotent) set-up when the stamp is missing or older than what defines the environment.
+$(STAMP): launch/setup_env.sh launch/horovod_build_fix.py pyproject.toml
+	bash launch/setup_env.sh
+	touch $@
+
+# HVD_SCALE_REQUIRE_HOROVOD=1: after `setup` Horovod must be there, so tests needing it never skip.
+test: setup
+	HVD_SCALE_REQUIRE_HOROVOD=1 timeout --kill-after=30 $(TEST_TIMEOUT) \
+		$(PYTHON) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+# The main job: 2 Horovod workers (Gloo) train the MNIST-1D CNN with AdaScale for 1000 baseline steps.
+demo: setup
+	$(VENV)/bin/hvd-scale run -np 2 --gloo --policy adascale -- \
+		$(PYTHON) examples/torch_mnist1d.py --budget 1000 --log-every 100
+
+# The 2-process Horovod smoke job (no hvd_scale): checks the Horovod install alone.
+smoke: setup
+	$(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2 $(PYTHON) examples/horovod_smoke.py
+
+clean:
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,278 @@
+"""Run real multi-process Horovod jobs from tests, and read back what each rank reported.
+
+    from hvdrun import run_horovod, worker_results, requires_horovod
+
+    @requires_horovod
+    @pytest.mark.timeout(180)
+    def test_something():
+        proc = run_horovod([sys.executable, str(WORKERS / "my_worker.py"), "--steps", "3"], np=2)
+        results = worker_results(proc, np=2)     # one dict per rank, sorted by rank
+
+Worker convention: each rank prints one line ``RESULT {json}`` to stdout, the JSON object holding
+at least ``"rank"``. Workers under tests/workers/ use ``from _report import emit_result`` (the
+script's folder is on sys.path; _report imports nothing heavy), or print the line themselves. horovodrun prefixes every worker line
+(``[0]<stdout>:`` under Gloo, ``[1,0]<stdout>:`` under MPI, where OpenMPI tags chunks, not lines,
+so a long line can be cut by another rank's output); ``worker_results`` reassembles each rank's
+stdout before it looks for the tag at the start of a line. A worker may use another tag
+(``worker_results(proc, tag="METRICS")``) for a second kind of line.
+
+Every run has a wall-clock limit. On time-out, or when the test itself is interrupted (e.g. by
+pytest-timeout), horovodrun and every process below it are killed, so no worker outlives the test.
+A failed or timed-out job raises AssertionError carrying the tail of its stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+WORKERS_DIR = TESTS_DIR / "workers"
+REPO_ROOT = TESTS_DIR.parent
+
+# The venv's bin/ (not resolved: .venv/bin/python is a link to the base interpreter).
+BIN_DIR = Path(sys.executable).parent
+HOROVODRUN = BIN_DIR / "horovodrun"
+
+DEFAULT_WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+}
+
+# Set (as `make test` does) where Horovod must be present: then `requires_horovod` never skips,
+# and a missing Horovod fails the tests loudly instead of skipping them.
+REQUIRE_ENV_VAR = "HVD_SCALE_REQUIRE_HOROVOD"
+
+TAIL_CHARS = 6000
+
+
+def horovod_missing_reason() -> str | None:
+    """Why Horovod jobs cannot run here, or None when they can."""
+    if importlib.util.find_spec("horovod") is None:
+        return f"horovod is not importable from {sys.executable} (run `make setup`)"
+    if not HOROVODRUN.exists():
+        return f"horovodrun not found at {HOROVODRUN} (run `make setup`)"
+    return None
+
+
+def _horovod_required() -> bool:
+    return os.environ.get(REQUIRE_ENV_VAR, "").strip().lower() not in ("", "0", "false", "no")
+
+
+_MISSING = horovod_missing_reason()
+
+# Skips only when Horovod is absent AND not required; when it is present the test always runs.
+requires_horovod = pytest.mark.skipif(
+    _MISSING is not None and not _horovod_required(),
+    reason=f"Horovod unavailable: {_MISSING}",
+)
+
+
+def worker_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment the workers get: ours, the defaults above, then `env` on top."""
+    out = dict(os.environ)
+    out.update(DEFAULT_WORKER_ENV)
+    # Workers (and horovodrun's own `python` look-ups) see the venv first.
+    out["PATH"] = str(BIN_DIR) + os.pathsep + out.get("PATH", "")
+    if env:
+        out.update({k: str(v) for k, v in env.items()})
+    return out
+
+
+def horovodrun_command(
+    args: Sequence[str],
+    np: int = 2,
+    controller: str = "gloo",
+    hosts: str | bool | None = None,
+    hvd_args: Iterable[str] = (),
+) -> list[str]:
+    if controller not in ("gloo", "mpi"):
+        raise ValueError(f"controller must be 'gloo' or 'mpi', not {controller!r}")
+    cmd = [str(HOROVODRUN), f"--{controller}", "-np", str(np)]
+    if hosts is not False:  # hosts=False: leave -H out (e.g. elastic jobs with discovery scripts)
+        cmd += ["-H", hosts or f"localhost:{np}"]
+    cmd += list(hvd_args)
+    cmd += [str(a) for a in args]
+    return cmd
+
+
+def _tail(text: str | bytes | None, n: int = TAIL_CHARS) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return text if len(text) <= n else "...[truncated]...\n" + text[-n:]
+
+
+def _describe(cmd: Sequence[str], what: str, stdout: Any, stderr: Any) -> str:
+    return (
+        f"{what}\ncommand: {' '.join(map(str, cmd))}\n"
+        f"----- stdout (tail) -----\n{_tail(stdout)}\n"
+        f"----- stderr (tail) -----\n{_tail(stderr)}"
+    )
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        import psutil  # a Horovod dependency; optional here
+    except ImportError:
+        return []
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except Exception:
+        return []
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill horovodrun, its process group and every descendant (some start their own session)."""
+    pids = _descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)  # start_new_session: the group id is horovodrun's pid
+        except ProcessLookupError:
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + 5
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def run_horovod(
+    args: Sequence[str],
+    np: int = 2,
+    controller: str = "gloo",
+    timeout: float = 120,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    check: bool = True,
+    hosts: str | bool | None = None,
+    hvd_args: Iterable[str] = (),
+) -> subprocess.CompletedProcess:
+    """Run `args` on `np` local Horovod processes through horovodrun, capture its output.
+
+    controller: "gloo" (horovodrun --gloo) or "mpi" (horovodrun --mpi; as root horovodrun adds
+    OpenMPI's --allow-run-as-root itself). hvd_args: extra horovodrun flags (e.g.
+    ["--timeline-filename", path]); hosts: the -H value (default localhost:np, False to omit).
+    Raises AssertionError, with the output tails, on time-out and (if check) on a non-zero exit.
+    """
+    if not HOROVODRUN.exists():
+        raise AssertionError(
+            f"horovodrun not found at {HOROVODRUN}: {horovod_missing_reason() or 'run make setup'}"
+        )
+    cmd = horovodrun_command(args, np=np, controller=controller, hosts=hosts, hvd_args=hvd_args)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=worker_env(env),
+        cwd=str(cwd) if cwd is not None else str(REPO_ROOT),
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            _describe(cmd, f"Horovod job timed out after {timeout} s (process tree killed)",
+                      stdout, stderr)
+        ) from None
+    except BaseException:  # pytest-timeout, KeyboardInterrupt: leave no workers behind
+        _kill_tree(proc)
+        proc.communicate()
+        raise
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            _describe(cmd, f"Horovod job failed with exit code {result.returncode}", stdout, stderr)
+        )
+    return result
+
+
+# horovodrun's per-rank prefixes: "[0]<stdout>:" (Gloo) or "[1,0]<stdout>:" (OpenMPI --tag-output).
+_PREFIX = re.compile(r"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
+
+
+def demux_output(text: str) -> dict[tuple[int | None, str], str]:
+    """Split horovodrun's combined output into one text per (rank, stream).
+
+    OpenMPI tags the chunks it reads, not whole lines: a long line can arrive as
+    "[1,0]<stdout>:RESULT {...[1,1]<stdout>:other...[1,0]<stdout>:...}". Joining each rank's pieces
+    in order restores its lines. Untagged text before the first tag (horovodrun's or mpirun's own)
+    goes to (None, ""); untagged text after a tag cannot be told apart and stays with that tag.
+    """
+    streams: dict[tuple[int | None, str], list[str]] = {}
+    key: tuple[int | None, str] = (None, "")
+    pos = 0
+    for m in _PREFIX.finditer(text):
+        if m.start() > pos:
+            streams.setdefault(key, []).append(text[pos:m.start()])
+        key = (int(m.group(1)), m.group(2))
+        pos = m.end()
+    if pos < len(text):
+        streams.setdefault(key, []).append(text[pos:])
+    return {k: "".join(v) for k, v in streams.items()}
+
+
+def worker_results(
+    proc: subprocess.CompletedProcess | str,
+    np: int | None = None,
+    tag: str = "RESULT",
+) -> list[dict]:
+    """Parse the workers' ``<tag> {json}`` lines; a list of dicts sorted by their "rank".
+
+    With `np`, asserts exactly one line per rank 0..np-1. Without it, every line is returned
+    (a rank may report several), in a stable order: by rank, then by order of appearance.
+    """
+    text = proc if isinstance(proc, str) else (proc.stdout or "")
+    pat = re.compile(rf"(?:^|\s){re.escape(tag)} (\{{.*\}})\s*$")
+    lines = [
+        line
+        for (_, stream), body in demux_output(text).items()
+        if stream != "stderr"
+        for line in body.splitlines()
+    ]
+    found = []
+    for i, line in enumerate(lines):
+        m = pat.search(line)
+        if not m:
+            continue
+        try:
+            payload = json.loads(m.group(1))
+        except json.JSONDecodeError as e:
+            raise AssertionError(f"unparsable {tag} line {line!r}: {e}") from None
+        if not isinstance(payload, dict) or "rank" not in payload:
+            raise AssertionError(f"{tag} line without a 'rank' field: {line!r}")
+        found.append((payload["rank"], i, payload))
+    found.sort(key=lambda t: (t[0], t[1]))
+    results = [p for _, _, p in found]
+    if np is not None:
+        ranks = [r["rank"] for r in results]
+        if ranks != list(range(np)):
+            stderr = "" if isinstance(proc, str) else proc.stderr
+            raise AssertionError(
+                _describe(getattr(proc, "args", ["?"]),
+                          f"expected one {tag} line from each of ranks 0..{np - 1}, got ranks {ranks}",
+                          text, stderr)
+            )
+    return results
+
