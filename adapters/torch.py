@@ -41,6 +41,7 @@ from hvd_scale.policies import Policy, make_policy
 from hvd_scale.reduce import unpack_summed
 
 STATS_NAME = "hvd_scale.stats"
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _build_policy(policy: str | Policy | None, scale: float, budget: float | None,
@@ -134,14 +135,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- statistics -----------------------------------------------------------------------------
     def _make_norm_hook(self, group_index: int, p: torch.Tensor):
         norms = self._norms[group_index]
+        precondition = self.policy.statistics == "preconditioned"
 
         def hook(grad: torch.Tensor) -> None:
             # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
-            g = self._precondition(p, grad, self.param_groups[group_index])
-            # Half precision is widened inside the norm (no copy); float32/64 stay as they are.
-            wide = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
-            norms.append(torch.linalg.vector_norm(g, dtype=wide))
+            g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
+            norms.append(self._norm(g))
         return hook
+
+    def _norm(self, g: torch.Tensor) -> torch.Tensor:
+        """|g| as a 0-d tensor of the statistics' dtype. Half precision is widened inside the
+        norm (no copy of g); only the 0-d result is ever converted."""
+        n = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in _HALF else None)
+        return n if n.dtype == self._stats_dtype else n.to(self._stats_dtype)
 
     def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
         """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
@@ -158,8 +164,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), in the gradients' dtype
         (float32 for float32/16 models) so that Horovod fuses it with the gradient traffic."""
         dt = self._stats_dtype
-        sums = [torch.stack([n.to(dt) for n in norms]).square().sum() if norms
-                else torch.zeros((), dtype=dt) for norms in self._norms]
+        sums = [torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dt)
+                for norms in self._norms]
         for norms in self._norms:
             norms.clear()
         count = torch.tensor(float(self.backward_passes_per_step), dtype=dt)
@@ -170,15 +176,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Horovod leaves the mean over workers of each worker's *sum* over its k passes
         # (op=Sum: the sum over workers), so the mean micro-gradient is p.grad / divisor.
         divisor = self.backward_passes_per_step * (hvd.size() if self._op == hvd.Sum else 1)
+        precondition = self.policy.statistics == "preconditioned"
+        dt = self._stats_dtype
         out = []
         for group in self.param_groups:
-            grads = [self._precondition(p, p.grad, group) for p in group["params"] if p.grad is not None]
-            if grads:
-                norms = torch._foreach_norm(grads) if len(grads) > 1 else [torch.linalg.vector_norm(grads[0])]
-                out.append(torch.stack([n.to(self._stats_dtype) for n in norms]).square().sum()
-                           / divisor ** 2)
+            grads = [self._precondition(p, p.grad, group) if precondition else p.grad
+                     for p in group["params"] if p.grad is not None]
+            if not grads:
+                out.append(torch.zeros((), dtype=dt))
+                continue
+            if all(g.dtype == dt for g in grads):
+                norms = torch._foreach_norm(grads)  # one fused kernel over the group
             else:
-                out.append(torch.zeros((), dtype=self._stats_dtype))
+                norms = [self._norm(g) for g in grads]
+            out.append(torch.stack(norms).square().sum() / divisor ** 2)
         return torch.stack(out)
 
     # -- the Horovod protocol -------------------------------------------------------------------

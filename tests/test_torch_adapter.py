@@ -136,3 +136,18 @@ def test_bad_policy_and_optimizer_error_on_every_rank(results):
         assert r["error"] and "'smooth'" in r["error"] and "smoothing" in r["error"]
     for r in both_ranks(results, "bad_optimizer"):
         assert r["error"] and "'Adam'" in r["error"] and "adascale_adam" in r["error"]
+
+
+@pytest.mark.timeout(300)
+def test_adascale_adam_uses_sqrt_gain(results):
+    r0, r1 = both_ranks(results, "adam")
+    assert r0["rows"] == r1["rows"]
+    rows = r0["rows"]
+    for row in rows:
+        assert 1 <= row["gain"] <= NP
+        assert row["lr_factor"] == pytest.approx(math.sqrt(row["gain"]), rel=1e-12)
+    assert rows[-1]["progress"] == pytest.approx(sum(row["gain"] for row in rows))
+    # From step 2 on the statistics are of g / (sqrt(v_hat) + eps): of order 1 per coordinate,
+    # far above the raw gradients' (the first step, before Adam has v, uses the raw gradient).
+    assert rows[-1]["sigma2"] > 100 * rows[0]["sigma2"]
+    assert r0["lr"] == 1e-3

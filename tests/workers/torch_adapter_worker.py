@@ -261,7 +261,24 @@ def case_bad_policy():
         emit("bad_optimizer", error=str(e))
 
 
+def case_adam():
+    """adascale_adam: statistics of the preconditioned gradient, lr x sqrt(gain), tau += gain."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                               named_parameters=model.named_parameters(), policy="adascale_adam")
+    rows = []
+    for step in range(4):
+        opt.zero_grad()
+        x, y = micro_batch(hvd.rank(), step, 0)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        rows.append({"gain": opt.gain, "lr_factor": opt.lr_factor, "progress": opt.progress,
+                     "sigma2": opt.sigma2})
+    emit("adam", rows=rows, lr=opt.param_groups[0]["lr"])
+
+
 CASES = {
+    "adam": case_adam,
     "reference": lambda: case_reference(1, False),
     "accumulate": lambda: (case_reference(2, False), case_reference(2, True)),
     "policies": case_policies,
