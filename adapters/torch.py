@@ -103,6 +103,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              f"op={op!r} (Adasum) does not produce: use op=hvd.Average, or a "
                              "fixed policy (none, linear, sqrt, warmup) with measure=False")
         self._op = op
+        self._world_size = hvd.size()
         self._grad_scaler = grad_scaler
 
         self._hvd_opt = hvd.DistributedOptimizer(
@@ -237,6 +238,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
         self._synchronized = False
+        self._follow_world_size()
         stats, self._pending = self._pending, None
         if stats is not None:
             values = stats.tolist()  # the step's one host transfer
@@ -261,6 +263,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._logger is not None:
                 self._logger.log({**self.policy.metrics(), "lr_factor": info.lr_factor,
                                   "lr": saved[0] * info.lr_factor})
+
+    def _follow_world_size(self) -> None:
+        """Horovod elastic changed the number of workers: S changes in proportion (so a scale
+        given for a baseline batch stays consistent); AdaScale keeps its estimates and tau."""
+        size = hvd.size()
+        if size != self._world_size:
+            self.policy.rescale(self.policy.scale * size / self._world_size)
+            self._world_size = size
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.
@@ -382,7 +392,8 @@ def train_until(optimizer: DistributedOptimizer, budget: float, batches: Iterabl
 def _elastic_handler():
     """A ``hvd.elastic.TorchState`` handler for this optimizer, registered ahead of Horovod's own
     (whose broadcast expects a flat torch state_dict): commit/restore the nested state, and on a
-    sync after a reset broadcast it from rank 0 and recompute S from the new world size."""
+    sync broadcast it from rank 0. S follows the new world size at the next step (see
+    ``_follow_world_size``), also after a reset that skips the sync (workers only removed)."""
     from horovod.torch.elastic import state as elastic_state
 
     class ScaledOptimizerStateHandler(elastic_state.OptimizerStateHandler):
@@ -390,7 +401,6 @@ def _elastic_handler():
             opt = self.value
             hvd.broadcast_optimizer_state(opt._hvd_opt, root_rank=0)
             opt.policy.load_state_dict(hvd.broadcast_object(opt.policy.state_dict(), root_rank=0))
-            opt.rescale()  # S = new hvd.size() x k; AdaScale keeps its estimates and tau
 
     registry = elastic_state.get_handler_registry()
     if not any(cls is DistributedOptimizer for cls, _ in registry):

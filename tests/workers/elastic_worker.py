@@ -1,0 +1,73 @@
+"""Elastic Horovod job (torch adapter): rank 0 rewrites the host file mid-training to resize the job.
+
+    horovodrun -np 3 --min-np 2 --max-np 3 --host-discovery-script discover.sh --network-interfaces lo \\
+        python elastic_worker.py --hosts-file hosts --resize-at 6 --resize-to 2 --budget 40
+
+Each rank reports every step it takes (RESULT lines tagged "step") and a final summary.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+
+from hvd_scale.adapters.torch import DistributedOptimizer
+
+
+def emit(**values):
+    sys.stdout.write("RESULT " + json.dumps({"rank": hvd.rank(), **values}) + "\n")
+    sys.stdout.flush()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hosts-file", required=True)
+    p.add_argument("--resize-at", type=int, required=True, help="optimizer step at which to resize")
+    p.add_argument("--resize-to", type=int, required=True)
+    p.add_argument("--budget", type=float, required=True)
+    p.add_argument("--policy", default="adascale")
+    p.add_argument("--step-sleep", type=float, default=0.3,
+                   help="seconds per step, so the driver (polling hosts every second) sees the resize mid-run")
+    args = p.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                               named_parameters=model.named_parameters(), policy=args.policy,
+                               budget=args.budget)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, resized=False)
+
+    @hvd.elastic.run
+    def train(state):
+        while not opt.done():
+            step = opt.policy.steps
+            g = torch.Generator().manual_seed(1000 * step + hvd.rank())
+            x = torch.randn(16, 8, generator=g)
+            y = torch.randint(0, 3, (16,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            emit(kind="step", step=opt.policy.steps, size=hvd.size(), scale=opt.scale,
+                 progress=opt.progress, gain=opt.gain)
+            if not state.resized and opt.policy.steps >= args.resize_at:
+                state.resized = True  # on every rank, so the flag is committed alike
+                if hvd.rank() == 0:
+                    with open(args.hosts_file + ".tmp", "w") as f:
+                        f.write(f"localhost:{args.resize_to}\n")
+                    os.replace(args.hosts_file + ".tmp", args.hosts_file)
+            time.sleep(args.step_sleep)
+            state.commit()  # commits the policy with the optimizer, and checks for host changes
+
+    train(state)
+    emit(kind="final", size=hvd.size(), scale=opt.scale, progress=opt.progress,
+         steps=opt.policy.steps, sigma2=opt.sigma2,
+         checksum=float(sum(p.detach().double().sum() for p in model.parameters())))
+
+
+if __name__ == "__main__":
+    main()
