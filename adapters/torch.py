@@ -119,6 +119,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         float64 = any(p.dtype == torch.float64 for g in self.param_groups for p in g["params"])
         self._stats_dtype = torch.float64 if float64 else torch.float32
         self._pending: torch.Tensor | None = None  # this step's [sums, count, q] after synchronize
+        self._stats_handle = None  # the statistics allreduce in flight
+        self._passes = 0           # backward passes since the last synchronize
+        self._end_queued = False   # an end-of-backward callback is queued
         self._synchronized = False
         self._skip_sync = False
         self._logger = None if log_dir is None else metrics_log.MetricsLogger(
@@ -142,7 +145,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
             g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
             norms.append(self._norm(g))
+            if not self._end_queued:
+                self._end_queued = True
+                # Runs when this backward pass ends, right after Horovod's hooks have enqueued
+                # the last gradient allreduce (DDP uses the same engine callback).
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return hook
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self._passes += 1
+        if self._passes == self.backward_passes_per_step and self._stats_handle is None:
+            # Enqueued microseconds after the last gradient, so Horovod's background thread
+            # takes it in the same cycle (a later enqueue, in step(), costs a cycle of its own).
+            self._stats_handle = self._start_stats_allreduce()
+
+    def _start_stats_allreduce(self):
+        return hvd.allreduce_async_(self._local_sums(), op=hvd.Sum, name=STATS_NAME)
 
     def _norm(self, g: torch.Tensor) -> torch.Tensor:
         """|g| as a 0-d tensor of the statistics' dtype. Half precision is widened inside the
@@ -200,10 +219,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # The previous step's statistics were never used: its step was skipped (AMP overflow).
             self.policy.skip()
             self._pending = None
-        handle = None
-        if self._measure:
-            # Started before Horovod waits on the gradients, so it rides in the same cycle.
-            handle = hvd.allreduce_async_(self._local_sums(), op=hvd.Sum, name=STATS_NAME)
+        handle, self._stats_handle, self._passes = self._stats_handle, None, 0
+        if self._measure and handle is None:
+            # Fewer backward passes than announced: send the statistics now.
+            handle = self._start_stats_allreduce()
         self._hvd_opt.synchronize()
         if handle is not None:
             summed = hvd.synchronize(handle)
@@ -299,7 +318,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # torch's load_state_dict builds new group dicts and a new state: share them again.
         self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
         self.policy = policy
-        self._pending, self._synchronized = None, False
+        self._pending, self._synchronized, self._passes = None, False, 0
+        if self._stats_handle is not None:  # a step's statistics in flight: finish, then drop them
+            hvd.synchronize(self._stats_handle)
+            self._stats_handle = None
         for norms in self._norms:
             norms.clear()
 

@@ -26,14 +26,14 @@ from hvd_scale.adapters.torch import DistributedOptimizer
 
 
 def cnn() -> torch.nn.Module:
-    # ~1.28M parameters, most in the convolutions: compute-bound per step.
+    # ~1.06M parameters, most in the convolutions: compute-bound per step.
     return torch.nn.Sequential(
         torch.nn.Conv1d(1, 64, 5, padding=2), torch.nn.ReLU(),
         torch.nn.Conv1d(64, 128, 5, padding=2), torch.nn.ReLU(),
         torch.nn.Conv1d(128, 256, 5, padding=2), torch.nn.ReLU(),
         torch.nn.Conv1d(256, 256, 5, padding=2), torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool1d(8), torch.nn.Flatten(), torch.nn.Linear(256 * 8, 128),
-        torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        torch.nn.AdaptiveAvgPool1d(8), torch.nn.Flatten(), torch.nn.Linear(256 * 8, 256),
+        torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
 def mlp() -> torch.nn.Module:
