@@ -44,14 +44,51 @@ STATS_NAME = "hvd_scale.stats"
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _build_policy(policy: str | Policy | None, scale: float, budget: float | None,
-                  optimizer_name: str) -> Policy:
+def _build_policy(policy: str | Policy | None, scale: float | None, budget: float | None,
+                  optimizer: torch.optim.Optimizer, passes: int) -> Policy:
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"param_groups[{i}] has lr={lr!r}: the baseline learning rate must be "
+                             "a number > 0 (the policy multiplies it)")
+    micro_gradients = hvd.size() * passes
+    scale = float(micro_gradients) if scale is None else scale
+    name = type(optimizer).__name__
     if isinstance(policy, Policy):
-        policy.check_optimizer(optimizer_name)
+        policy.check_optimizer(name)
         if policy.scale != scale:
             policy.rescale(scale)
-        return policy
-    return make_policy(policy, scale=scale, budget=budget, optimizer=optimizer_name)
+    else:
+        policy = make_policy(policy, scale=scale, budget=budget, optimizer=name)
+    if policy.uses_statistics and micro_gradients == 1 and policy.scale > 1:
+        raise ValueError(f"policy {policy.name!r} at scale {policy.scale:g} needs at least 2 "
+                         "micro-gradients per step to measure the variance, got 1 worker x 1 "
+                         "backward pass: use backward_passes_per_step >= 2, more workers, or a "
+                         "fixed policy")
+    return policy
+
+
+def _agreed_policy(policy, scale, budget, optimizer, passes) -> Policy:
+    """Build the policy on every rank and check that all ranks agree, in one allgather: a bad or
+    differing spec raises the same ValueError on every rank instead of hanging the others."""
+    built, error = None, None
+    try:
+        built = _build_policy(policy, scale, budget, optimizer, passes)
+    except (ValueError, TypeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    if hvd.size() == 1:
+        if error:
+            raise ValueError(error)
+        return built
+    seen = hvd.allgather_object((None if built is None else built.spec, error), name="hvd_scale.spec")
+    errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(seen) if err]
+    if errors:
+        raise ValueError("hvd_scale: bad policy set-up; " + "; ".join(errors))
+    specs = [spec for spec, _ in seen]
+    if len(set(specs)) > 1:
+        raise ValueError(f"hvd_scale: the ranks run different policies {dict(enumerate(specs))}: "
+                         "give every worker the same policy (--policy / HVD_SCALE_POLICY)")
+    return built
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -72,6 +109,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             are logged.
         log_dir: write per-step metrics there on rank 0 (CSV, TensorBoard, a progress bar);
             default ``$HVD_SCALE_LOG_DIR`` (set by ``hvd-scale run --log-dir``), else none.
+        nonfinite: a step whose gradients are not finite is skipped on every rank ("skip",
+            counted in ``policy.skipped``) or raises FloatingPointError on every rank ("raise").
         **horovod_options: compression, op, gradient_predivide_factor, groups, sparse_as_dense,
             process_set: passed to ``hvd.DistributedOptimizer``.
     """
@@ -80,7 +119,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  policy: str | Policy | None = None, backward_passes_per_step: int = 1, *,
                  scale: float | None = None, budget: float | None = None,
                  grad_scaler: Any = None, measure: bool | None = None, log_dir: str | None = None,
-                 **horovod_options: Any):
+                 nonfinite: str = "skip", **horovod_options: Any):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
@@ -88,10 +127,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
                              f"{backward_passes_per_step!r}")
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
-        scale = float(hvd.size() * backward_passes_per_step) if scale is None else scale
-        self.policy = _build_policy(policy, scale, budget, self.optimizer_name)
+        self._nonfinite = nonfinite
+        self.policy = _agreed_policy(policy, scale, budget, optimizer, backward_passes_per_step)
         op = horovod_options.get("op", hvd.Average)
         log_dir = log_dir or os.environ.get(metrics_log.LOG_DIR_ENV) or None
         # Decided alike on every rank (the statistics allreduce must run on all of them).
@@ -184,7 +225,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), in the gradients' dtype
         (float32 for float32/16 models) so that Horovod fuses it with the gradient traffic."""
         dt = self._stats_dtype
-        sums = [torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dt)
+        # In units of the gradient the optimizer applies: Horovod sums the k passes, so the
+        # micro-gradient that averages to p.grad is k g_j (see _mean_sqnorms).
+        k2 = float(self.backward_passes_per_step) ** 2
+        sums = [torch.stack(norms).square().sum() * k2 if norms else torch.zeros((), dtype=dt)
                 for norms in self._norms]
         for norms in self._norms:
             norms.clear()
@@ -192,10 +236,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return torch.stack(sums + [count])
 
     def _mean_sqnorms(self) -> torch.Tensor:
-        """|g_bar|^2 per group from the averaged gradients in p.grad."""
-        # Horovod leaves the mean over workers of each worker's *sum* over its k passes
-        # (op=Sum: the sum over workers), so the mean micro-gradient is p.grad / divisor.
-        divisor = self.backward_passes_per_step * (hvd.size() if self._op == hvd.Sum else 1)
+        """|g_bar|^2 per group from the averaged gradients in p.grad.
+
+        Statistics are kept in units of the gradient the optimizer applies: Horovod leaves in
+        p.grad the mean over workers of each worker's *sum* of its k passes, i.e. the mean of the
+        micro-gradients k g_j. So whether the user divides the loss by k or not, sigma2 and mu2
+        describe the update actually made, and a checkpoint resumed with another layout of the
+        same S (2 workers x 1 pass -> 1 worker x 2 passes with loss / 2) continues identically.
+        """
+        divisor = hvd.size() if self._op == hvd.Sum else 1  # op=Sum: the sum over workers
         precondition = self.policy.statistics == "preconditioned"
         dt = self._stats_dtype
         out = []
@@ -265,6 +314,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sqnorm_sum, n = unpack_summed(values[:groups + 1], groups)
             mean_sqnorm = values[groups + 1:]
             if not all(math.isfinite(v) for v in values):
+                if self._nonfinite == "raise":
+                    raise FloatingPointError(f"non-finite gradients at step {self.policy.steps + 1} "
+                                             "(pass nonfinite='skip' to skip such steps)")
                 self.policy.skip()
                 return None
             info = self.policy.step(sqnorm_sum, mean_sqnorm, n)

@@ -4,8 +4,8 @@ the Keras adapter, reported per optimizer step for tests/test_parity.py to compa
 Both runs use one model (8 -> 16 tanh -> 3, float64, SGD without momentum), the same initial
 weights (numpy, seed 123) and the same micro-batches per (rank, step, pass) (numpy seeds). With
 backward_passes_per_step=k the torch side divides the loss by k, so both apply the *mean*
-micro-gradient (the Keras adapter's convention); its statistics are then k^2 smaller, the gain
-is not. The Keras side trains with model.fit, one micro-batch per batch.
+micro-gradient (the Keras adapter's convention); both keep statistics in units of the applied
+gradient, so sigma2 and mu2 agree too. The Keras side trains with model.fit, one micro-batch per batch.
 
     horovodrun --gloo -np 2 -H localhost:2 python tests/workers/parity_worker.py --framework keras
 """
@@ -65,7 +65,7 @@ def run_torch(k):
         opt.step()
         rows.append({"gain": opt.gain, "progress": opt.progress,
                      # statistics of the user's micro-gradients (loss / k): back to loss units
-                     "sigma2": opt.sigma2 * k * k, "mu2": opt.mu2 * k * k})
+                     "sigma2": opt.sigma2, "mu2": opt.mu2})
     weights = np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()])
     return hvd.rank(), opt.scale, rows, weights
 

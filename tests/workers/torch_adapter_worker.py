@@ -8,6 +8,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import tempfile
 
@@ -277,7 +278,103 @@ def case_adam():
     emit("adam", rows=rows, lr=opt.param_groups[0]["lr"])
 
 
+def case_misuse():
+    """Bad set-ups raise the same clear error on every rank, and nothing hangs."""
+    model = make_model()
+    errors = {}
+    attempts = {
+        "differ": lambda: DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                               policy=["adascale", "linear"][hvd.rank()]),
+        "one_bad": lambda: DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                                policy=["adascale", "adascal"][hvd.rank()]),
+        "zero_lr": lambda: DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0)),
+    }
+    for name, make in attempts.items():
+        try:
+            make()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    # nonfinite="raise": every rank raises on the same step.
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                               named_parameters=model.named_parameters(), nonfinite="raise")
+    x, y = micro_batch(hvd.rank(), 0, 0)
+    if hvd.rank() == 0:
+        x = x * float("nan")
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    try:
+        opt.step()
+        errors["raise_nonfinite"] = None
+    except FloatingPointError as e:
+        errors["raise_nonfinite"] = str(e)
+    # A checkpoint from another model (two parameter groups) is refused, nothing changes.
+    groups = two_groups(model)
+    two = DistributedOptimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=LR))
+    one = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    before = json.dumps(one.state_dict()["hvd_scale"])
+    try:
+        one.load_state_dict(two.state_dict())
+        errors["wrong_checkpoint"] = None
+    except ValueError as e:
+        errors["wrong_checkpoint"] = str(e)
+    emit("misuse", errors=errors, unchanged=json.dumps(one.state_dict()["hvd_scale"]) == before)
+
+
+def steps_for_resize(model, opt, start, stop, passes):
+    """Steps whose micro-batches are (rank r, step) for r in 0..1, whatever the layout:
+    2 workers x 1 pass, or 1 worker x 2 passes (loss / passes: the same mean gradient)."""
+    losses = []
+    for step in range(start, stop):
+        opt.zero_grad()
+        total = 0.0
+        for j in range(passes):
+            x, y = micro_batch(hvd.rank() if passes == 1 else j, step, 0)
+            loss = loss_fn(model, x, y)
+            (loss / passes).backward()
+            total += float(loss) / passes
+        opt.step()
+        total = float(hvd.allreduce(torch.tensor(total, dtype=torch.float64), name=f"rl{step}")) \
+            if passes == 1 else total
+        losses.append([total, opt.gain, float(params_vector(model).sum())])
+    return losses
+
+
+def case_save_for_resize():
+    """np 2: run 8 steps, saving a checkpoint after 4 (for the np 1 x accumulation 2 resume)."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                               named_parameters=model.named_parameters(), policy="adascale")
+    steps_for_resize(model, opt, 0, 4, 1)
+    path = os.environ["HVD_SCALE_TEST_DIR"]
+    if hvd.rank() == 0:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{path}/resize.pt")
+    rest = steps_for_resize(model, opt, 4, 8, 1)
+    emit("save_for_resize", rest=rest, progress=opt.progress, gain=opt.gain)
+
+
+def case_resume_np1():
+    """np 1 x 2 passes (same S = 2) resumes the np 2 checkpoint and continues identically."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                               named_parameters=model.named_parameters(), policy="adascale",
+                               backward_passes_per_step=2)
+    ckpt = torch.load(f"{os.environ['HVD_SCALE_TEST_DIR']}/resize.pt", weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    rest = steps_for_resize(model, opt, 4, 8, 2)
+    try:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), policy="adascale", scale=2)
+        n1_error = None
+    except ValueError as e:
+        n1_error = str(e)
+    emit("resume_np1", rest=rest, progress=opt.progress, gain=opt.gain, scale=opt.scale,
+         n1_error=n1_error)
+
+
 CASES = {
+    "misuse": case_misuse,
+    "save_for_resize": case_save_for_resize,
     "adam": case_adam,
     "reference": lambda: case_reference(1, False),
     "accumulate": lambda: (case_reference(2, False), case_reference(2, True)),
@@ -287,12 +384,13 @@ CASES = {
     "nonfinite": case_nonfinite,
     "unused": case_unused,
     "bad_policy": case_bad_policy,
+    "resume_np1": case_resume_np1,  # single process, after save_for_resize
 }
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("cases", nargs="*", default=list(CASES))
+    parser.add_argument("cases", nargs="*", default=[c for c in CASES if c != "resume_np1"])
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
