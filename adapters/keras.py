@@ -72,7 +72,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_scale.launch import metrics as metrics_log
-from hvd_scale.policies import Policy, make_policy
+from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_policy
 from hvd_scale.reduce import unpack_summed
 
 ALLREDUCE_NAME = "hvd_scale.step"
@@ -91,16 +91,6 @@ _INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "
 # For adascale_adam: the Adam family's second-moment hyperparameters (its `_velocities` exist
 # once built).
 _ADAM_SLOTS = ("beta_2", "epsilon")
-
-
-def _build_policy(policy: str | Policy | None, scale: float, budget: float | None,
-                  optimizer_name: str) -> Policy:
-    if isinstance(policy, Policy):
-        policy.check_optimizer(optimizer_name)
-        if policy.scale != scale:
-            policy.rescale(scale)
-        return policy
-    return make_policy(policy, scale=scale, budget=budget, optimizer=optimizer_name)
 
 
 def _lr_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -202,8 +192,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                              f"{owner.gradient_accumulation_steps}) instead")
         optimizer_name = type(owner).__name__
         k = backward_passes_per_step
-        policy_obj = _build_policy(policy, float(hvd.size() * k) if scale is None else scale,
-                                   budget, optimizer_name)
+        micro_gradients = hvd.size() * k
+        allgather = None if hvd.size() == 1 else \
+            (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
+        policy_obj = agree_across_ranks(
+            lambda: resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
+                                   budget=budget, optimizer=optimizer_name,
+                                   micro_gradients=micro_gradients), allgather)
         if policy_obj.statistics == "preconditioned" and not all(hasattr(owner, a) for a in _ADAM_SLOTS):
             raise ValueError(f"policy {policy_obj.name!r} measures Adam-preconditioned gradients, "
                              f"but {optimizer_name} has no second moment (beta_2, epsilon)")

@@ -37,7 +37,7 @@ import horovod.torch as hvd
 import torch
 
 from hvd_scale.launch import metrics as metrics_log
-from hvd_scale.policies import Policy, make_policy
+from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_policy
 from hvd_scale.reduce import unpack_summed
 
 STATS_NAME = "hvd_scale.stats"
@@ -52,43 +52,16 @@ def _build_policy(policy: str | Policy | None, scale: float | None, budget: floa
             raise ValueError(f"param_groups[{i}] has lr={lr!r}: the baseline learning rate must be "
                              "a number > 0 (the policy multiplies it)")
     micro_gradients = hvd.size() * passes
-    scale = float(micro_gradients) if scale is None else scale
-    name = type(optimizer).__name__
-    if isinstance(policy, Policy):
-        policy.check_optimizer(name)
-        if policy.scale != scale:
-            policy.rescale(scale)
-    else:
-        policy = make_policy(policy, scale=scale, budget=budget, optimizer=name)
-    if policy.uses_statistics and micro_gradients == 1 and policy.scale > 1:
-        raise ValueError(f"policy {policy.name!r} at scale {policy.scale:g} needs at least 2 "
-                         "micro-gradients per step to measure the variance, got 1 worker x 1 "
-                         "backward pass: use backward_passes_per_step >= 2, more workers, or a "
-                         "fixed policy")
-    return policy
+    return resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
+                          budget=budget, optimizer=type(optimizer).__name__,
+                          micro_gradients=micro_gradients)
 
 
 def _agreed_policy(policy, scale, budget, optimizer, passes) -> Policy:
-    """Build the policy on every rank and check that all ranks agree, in one allgather: a bad or
-    differing spec raises the same ValueError on every rank instead of hanging the others."""
-    built, error = None, None
-    try:
-        built = _build_policy(policy, scale, budget, optimizer, passes)
-    except (ValueError, TypeError) as e:
-        error = f"{type(e).__name__}: {e}"
-    if hvd.size() == 1:
-        if error:
-            raise ValueError(error)
-        return built
-    seen = hvd.allgather_object((None if built is None else built.spec, error), name="hvd_scale.spec")
-    errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(seen) if err]
-    if errors:
-        raise ValueError("hvd_scale: bad policy set-up; " + "; ".join(errors))
-    specs = [spec for spec, _ in seen]
-    if len(set(specs)) > 1:
-        raise ValueError(f"hvd_scale: the ranks run different policies {dict(enumerate(specs))}: "
-                         "give every worker the same policy (--policy / HVD_SCALE_POLICY)")
-    return built
+    allgather = None if hvd.size() == 1 else \
+        (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
+    return agree_across_ranks(lambda: _build_policy(policy, scale, budget, optimizer, passes),
+                              allgather)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from .estimate import GainEstimator, _check_keys, check_scale
 
@@ -137,6 +137,52 @@ def make_policy(spec: str | None = None, *, scale: float, budget: float | None =
     if optimizer is not None:
         policy.check_optimizer(optimizer)
     return policy
+
+
+def resolve_policy(policy: "str | Policy | None", *, scale: float, budget: float | None = None,
+                   optimizer: str | None = None, micro_gradients: int | None = None) -> "Policy":
+    """What an adapter builds its policy with: a spec (or None: the environment) or a ``Policy``
+    (rescaled to ``scale``); checks the optimizer, and that the variance is measurable
+    (``micro_gradients`` per step, over all workers)."""
+    if isinstance(policy, Policy):
+        if optimizer is not None:
+            policy.check_optimizer(optimizer)
+        if policy.scale != scale:
+            policy.rescale(scale)
+    else:
+        policy = make_policy(policy, scale=scale, budget=budget, optimizer=optimizer)
+    if policy.uses_statistics and micro_gradients == 1 and policy.scale > 1:
+        raise ValueError(f"policy {policy.name!r} at scale {policy.scale:g} needs at least 2 "
+                         "micro-gradients per step to measure the variance, got 1 worker x 1 "
+                         "backward pass: use backward_passes_per_step >= 2, more workers, or a "
+                         "fixed policy")
+    return policy
+
+
+def agree_across_ranks(build: "Callable[[], Policy]",
+                       allgather: "Callable[[Any], list] | None") -> "Policy":
+    """Build the policy on every rank and check, with one ``allgather`` of (spec, error), that all
+    ranks succeeded with the same spec: a bad or differing spec then raises the same ValueError on
+    every rank instead of one rank failing while the others wait in a collective.
+    ``allgather=None``: a single process."""
+    built, error = None, None
+    try:
+        built = build()
+    except (ValueError, TypeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    if allgather is None:
+        if error:
+            raise ValueError(error)
+        return built
+    seen = allgather((None if built is None else built.spec, error))
+    errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(seen) if err]
+    if errors:
+        raise ValueError("hvd_scale: bad policy set-up; " + "; ".join(errors))
+    specs = [spec for spec, _ in seen]
+    if len(set(specs)) > 1:
+        raise ValueError(f"hvd_scale: the ranks run different policies {dict(enumerate(specs))}: "
+                         "give every worker the same policy (--policy / HVD_SCALE_POLICY)")
+    return built
 
 
 # -- the policies ------------------------------------------------------------------------------

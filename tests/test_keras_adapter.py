@@ -201,4 +201,6 @@ def test_bad_arguments_error_on_every_rank(results):
         assert e["unknown"] and "'adascalle'" in e["unknown"] and "adascale" in e["unknown"]
         assert e["bad_optimizer"] and "'Adam'" in e["bad_optimizer"] and "adascale_adam" in e["bad_optimizer"]
         assert e["keras_accumulation"] and "backward_passes_per_step" in e["keras_accumulation"]
+        assert "different policies" in e["differ"] and "'sqrt'" in e["differ"]
+        assert "rank 1" in e["one_bad"] and "'x'" in e["one_bad"]
         assert r["alive"] == NP

@@ -480,3 +480,57 @@ def test_load_keeps_this_jobs_scale():
     assert policy.scale == 2.0
     assert policy.progress == saved["progress"]
     assert 1.0 <= policy.gain <= 2.0
+
+
+# -- resolve_policy / agree_across_ranks (what both adapters build their policy with) ------------
+
+def test_resolve_policy_rejects_unmeasurable_adascale():
+    with pytest.raises(ValueError, match="needs at least 2 micro-gradients"):
+        hvd_scale.policies.resolve_policy("adascale", scale=2, micro_gradients=1)
+    # fixed rules need no variance, and S = 1 needs none either
+    assert hvd_scale.policies.resolve_policy("linear", scale=2, micro_gradients=1).scale == 2
+    assert hvd_scale.policies.resolve_policy("adascale", scale=1, micro_gradients=1).gain == 1.0
+
+
+def test_resolve_policy_rescales_a_given_policy():
+    policy = hvd_scale.make_policy("linear", scale=2)
+    assert hvd_scale.policies.resolve_policy(policy, scale=8, optimizer="SGD") is policy
+    assert policy.lr_factor == 8
+
+
+def _fake_allgather(specs):
+    """Simulate every rank's build: rank r builds specs[r]; we play rank 0."""
+    def builds():
+        out = []
+        for spec in specs:
+            try:
+                out.append((hvd_scale.make_policy(spec, scale=2).spec, None))
+            except ValueError as e:
+                out.append((None, f"ValueError: {e}"))
+        return out
+    return lambda mine: builds()
+
+
+def test_agree_across_ranks_accepts_the_same_spec():
+    policy = hvd_scale.policies.agree_across_ranks(
+        lambda: hvd_scale.make_policy("sqrt", scale=2), _fake_allgather(["sqrt", "sqrt"]))
+    assert policy.name == "sqrt"
+
+
+def test_agree_across_ranks_reports_differing_specs_on_every_rank():
+    with pytest.raises(ValueError, match="different policies") as e:
+        hvd_scale.policies.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
+                                              _fake_allgather(["sqrt", "linear"]))
+    assert "'sqrt'" in str(e.value) and "'linear'" in str(e.value)
+
+
+def test_agree_across_ranks_reports_another_ranks_error():
+    # rank 0 (us) built fine; rank 1's spec was bad: we raise too, naming rank 1.
+    with pytest.raises(ValueError, match="rank 1: ValueError: unknown policy 'sqtr'"):
+        hvd_scale.policies.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
+                                              _fake_allgather(["sqrt", "sqtr"]))
+
+
+def test_agree_across_ranks_single_process_raises_its_own_error():
+    with pytest.raises(ValueError, match="unknown policy"):
+        hvd_scale.policies.agree_across_ranks(lambda: hvd_scale.make_policy("sqtr", scale=2), None)

@@ -368,6 +368,11 @@ def case_bad_policy():
         "bad_optimizer": lambda: DistributedOptimizer(keras.optimizers.Adam(), policy="adascale"),
         "keras_accumulation": lambda: DistributedOptimizer(
             keras.optimizers.SGD(LR, gradient_accumulation_steps=2), policy="linear"),
+        # Ranks that disagree, or one rank with a bad spec: the same error on every rank, no hang.
+        "differ": lambda: DistributedOptimizer(keras.optimizers.SGD(LR),
+                                               policy=["adascale", "sqrt"][hvd.rank()]),
+        "one_bad": lambda: DistributedOptimizer(keras.optimizers.SGD(LR),
+                                                policy=["adascale", "sqrt:x=1"][hvd.rank()]),
     }
     for name, attempt in attempts.items():
         try:
