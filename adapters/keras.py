@@ -72,7 +72,8 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_scale.launch import metrics as metrics_log
-from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_policy
+from hvd_scale.policies import (Policy, PolicyReadout, agree_across_ranks, make_policy,
+                                resolve_policy)
 from hvd_scale.reduce import unpack_summed
 
 ALLREDUCE_NAME = "hvd_scale.step"
@@ -137,7 +138,7 @@ def _sqnorm(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 @keras.saving.register_keras_serializable(package="hvd_scale", name="DistributedOptimizer")
-class DistributedOptimizer(keras.optimizers.Optimizer):
+class DistributedOptimizer(PolicyReadout, keras.optimizers.Optimizer):
     """Wrap any Keras 3 optimizer: Horovod gradient averaging plus an lr scaling policy.
 
     Args:
@@ -502,20 +503,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
     # -- what can be read (host values) ------------------------------------------------------------
-    def log_loss(self, loss) -> None:
-        """Record the step's loss (float or tensor) in the metrics row of the next step."""
-        if self._logger is not None:
-            self._logger.set_loss(loss)
-
-    def close(self) -> None:
-        """Flush and close the metrics files."""
-        if self._logger is not None:
-            self._logger.close()
-
-    def done(self, budget: float | None = None) -> bool:
-        """True once progress tau has reached the budget (baseline steps)."""
-        return self.policy.done(budget)
-
     def rescale(self, scale: float | None = None) -> None:
         """New S: default hvd.size() x backward passes."""
         self.policy.rescale(float(hvd.size() * self.backward_passes_per_step) if scale is None else scale)
@@ -524,14 +511,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """The policy's metrics plus ``lr``, the learning rate the latest step applied."""
         return {**self.policy.metrics(), "lr": self._last_lr}
 
-    gain = property(lambda self: self.policy.gain, doc="measured gain r in [1, S]")
-    lr_factor = property(lambda self: self.policy.lr_factor, doc="factor of the next step's lr")
-    progress = property(lambda self: self.policy.progress, doc="tau, in baseline steps")
-    scale = property(lambda self: self.policy.scale, doc="S")
-    sigma2 = property(lambda self: self.policy.estimator.sigma2)
-    mu2 = property(lambda self: self.policy.estimator.mu2)
-    noise_scale = property(lambda self: self.policy.estimator.noise_scale)
-    efficiency = property(lambda self: self.policy.estimator.efficiency)
     last_learning_rate = property(lambda self: self._last_lr,
                                   doc="lr(floor(tau)) x factor of the latest applied step")
 

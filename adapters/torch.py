@@ -37,7 +37,8 @@ import horovod.torch as hvd
 import torch
 
 from hvd_scale.launch import metrics as metrics_log
-from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_policy
+from hvd_scale.policies import (Policy, PolicyReadout, agree_across_ranks, make_policy,
+                                resolve_policy)
 from hvd_scale.reduce import unpack_summed
 
 STATS_NAME = "hvd_scale.stats"
@@ -64,7 +65,7 @@ def _agreed_policy(policy, scale, budget, optimizer, passes) -> Policy:
                               allgather)
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
     """Wrap any torch optimizer: Horovod gradient averaging plus an lr scaling policy.
 
     Args:
@@ -351,20 +352,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             norms.clear()
 
     # -- what can be read -----------------------------------------------------------------------
-    def log_loss(self, loss) -> None:
-        """Record the step's loss (float or tensor) in the metrics row of the next ``step()``."""
-        if self._logger is not None:
-            self._logger.set_loss(loss)
-
-    def close(self) -> None:
-        """Flush and close the metrics files (also done at interpreter exit by the OS)."""
-        if self._logger is not None:
-            self._logger.close()
-
-    def done(self, budget: float | None = None) -> bool:
-        """True once progress tau has reached the budget (baseline steps)."""
-        return self.policy.done(budget)
-
     def rescale(self, scale: float | None = None) -> None:
         """New S after a resize: default hvd.size() x backward passes."""
         self.policy.rescale(float(hvd.size() * self.backward_passes_per_step) if scale is None else scale)
@@ -372,14 +359,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def metrics(self) -> dict[str, float]:
         return self.policy.metrics()
 
-    gain = property(lambda self: self.policy.gain, doc="measured gain r in [1, S]")
-    lr_factor = property(lambda self: self.policy.lr_factor, doc="factor of the next step's lr")
-    progress = property(lambda self: self.policy.progress, doc="tau, in baseline steps")
-    scale = property(lambda self: self.policy.scale, doc="S")
-    sigma2 = property(lambda self: self.policy.estimator.sigma2)
-    mu2 = property(lambda self: self.policy.estimator.mu2)
-    noise_scale = property(lambda self: self.policy.estimator.noise_scale)
-    efficiency = property(lambda self: self.policy.estimator.efficiency)
 
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"

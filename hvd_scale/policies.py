@@ -425,6 +425,37 @@ class AdaScaleAdam(AdaScale):
                              f"optimizer {optimizer!r}; for SGD use 'adascale'")
 
 
+class PolicyReadout:
+    """What both adapters' optimizers show of their ``self.policy`` (and their metrics logger,
+    ``self._logger``, None when off): read-only values for logs and stopping rules."""
+
+    policy: Policy
+    _logger: Any
+
+    gain = property(lambda self: self.policy.gain, doc="measured gain r in [1, S]")
+    lr_factor = property(lambda self: self.policy.lr_factor, doc="factor of the next step's lr")
+    progress = property(lambda self: self.policy.progress, doc="tau, in baseline steps")
+    scale = property(lambda self: self.policy.scale, doc="S")
+    sigma2 = property(lambda self: self.policy.estimator.sigma2, doc="smoothed sigma2")
+    mu2 = property(lambda self: self.policy.estimator.mu2, doc="smoothed mu2")
+    noise_scale = property(lambda self: self.policy.estimator.noise_scale, doc="sigma2 / mu2")
+    efficiency = property(lambda self: self.policy.estimator.efficiency, doc="gain / S")
+
+    def done(self, budget: float | None = None) -> bool:
+        """True once progress tau has reached the budget (baseline steps)."""
+        return self.policy.done(budget)
+
+    def log_loss(self, loss) -> None:
+        """Record the step's loss (float or tensor) in the metrics row of the next step."""
+        if self._logger is not None:
+            self._logger.set_loss(loss)
+
+    def close(self) -> None:
+        """Flush and close the metrics files."""
+        if self._logger is not None:
+            self._logger.close()
+
+
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (NoScaling, LinearScaling, SqrtScaling, WarmupScaling, AdaScale,
                               AdaScaleAdam)
