@@ -63,8 +63,9 @@ def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int,
         torch.manual_seed(0)
         model = build()
         variants[kind] = (model, make_variant(kind, model), [])
-    params = sum(p.numel() for p in variants["plain"][0].parameters())
-    tensors = sum(1 for _ in variants["plain"][0].parameters())
+    first = next(iter(variants.values()))[0]
+    params = sum(p.numel() for p in first.parameters())
+    tensors = sum(1 for _ in first.parameters())
     g = torch.Generator().manual_seed(hvd.rank())
     x = torch.randn(batch, *shape, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)

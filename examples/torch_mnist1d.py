@@ -87,6 +87,7 @@ def main(argv=None) -> dict:
             x, y = next(batches)
             loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)) / args.accumulate
             loss.backward()
+        opt.log_loss(loss.detach() * args.accumulate)  # metrics row (with --log-dir), read lazily
         opt.step()
         gains.append(opt.gain)
         if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
