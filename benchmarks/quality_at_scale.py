@@ -98,8 +98,8 @@ def write_report(args, rows, sweep, table, scales, seconds):
         lines += [f"| {r['policy']} | {r['S']} | {100 * r['test_accuracy']:.1f} | {r['steps']} | "
                   f"{r['mean_gain']:.2f} |" for r in keras_rows]
     lines += ["", "![accuracy vs S](quality_accuracy.png)", "", "![adascale gain and lr vs tau](quality_adascale.png)",
-              "", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-              f"{seconds / 60:.0f} minutes",
+              "", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+              + (f"; {seconds / 60:.0f} minutes" if seconds else ""),
               f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, {platform.platform()}",
               f"- rerun: `.venv/bin/python benchmarks/quality_at_scale.py {' '.join(sys.argv[1:])}`".rstrip()]
     (RESULTS / "quality.md").write_text("\n".join(lines) + "\n")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 from typing import Sequence
 
@@ -23,10 +24,14 @@ from hvd_scale.policies import POLICY_ENV, describe_policies, parse_spec
 
 SETUP_HINT = "run `make setup` (or `bash launch/setup_env.sh`) in the hvd_scale repository"
 
-# Defaults for CPU jobs, each only when the user has not set it:
-# one BLAS/OpenMP thread per worker (workers already use every core between them; more threads
-# oversubscribe the cores and slow every collective down).
-CPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1"}
+# Defaults for CPU jobs, each only when the user has not set it (benchmarks/results/overhead.md):
+# - one BLAS/OpenMP thread per worker: the workers already use every core between them, and more
+#   threads oversubscribe the cores and slow every collective down;
+# - a 5 ms Horovod cycle instead of 1 ms: each worker's background thread wakes every cycle, and
+#   on a small CPU machine those wake-ups compete with the compute; measured on 2 cores, plain
+#   Horovod steps took 0.69x (CNN) and 0.78x (MLP) the time of the default, hvd_scale adascale
+#   steps 0.77x and 0.78x.
+CPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
 
 
 def _horovodrun() -> str | None:
@@ -64,8 +69,6 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         env[LOG_DIR_ENV] = os.path.abspath(args.log_dir)
         os.makedirs(env[LOG_DIR_ENV], exist_ok=True)
     # horovodrun passes the environment through to every worker (Gloo and MPI).
-    import subprocess
-
     try:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:

@@ -97,3 +97,24 @@ def test_run_end_to_end_writes_metrics_and_plot(tmp_path):
 def test_plot_of_a_directory_without_metrics_fails_clearly(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
     assert "no metrics.csv" in capsys.readouterr().err
+
+
+def test_run_hands_policy_log_dir_and_cpu_defaults_to_horovodrun(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_call(cmd, env):
+        seen["cmd"], seen["env"] = cmd, env
+        return 3
+
+    monkeypatch.setattr(cli, "_horovodrun", lambda: "/x/horovodrun")
+    monkeypatch.setattr(cli.subprocess, "call", fake_call)
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "0.5")  # the user's own setting wins
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    code = cli.main(["run", "-np", "3", "--mpi", "--policy", "sqrt", "--log-dir", str(tmp_path / "l"),
+                     "--timeline-filename", "t.json", "--", "python", "train.py", "--x"])
+    assert code == 3  # the job's exit code
+    assert seen["cmd"] == ["/x/horovodrun", "-np", "3", "-H", "localhost:3", "--mpi",
+                           "--timeline-filename", "t.json", "python", "train.py", "--x"]
+    env = seen["env"]
+    assert env["HVD_SCALE_POLICY"] == "sqrt" and env["HVD_SCALE_LOG_DIR"] == str(tmp_path / "l")
+    assert env["OMP_NUM_THREADS"] == "1" and env["HOROVOD_CYCLE_TIME"] == "0.5"
