@@ -59,7 +59,11 @@ def _build_policy(policy: str | Policy | None, scale: float | None, budget: floa
 
 
 def _agreed_policy(policy, scale, budget, optimizer, passes) -> Policy:
-    allgather = None if hvd.size() == 1 else \
+    # Not under Horovod elastic: a worker that joins a running job builds its optimizer while the
+    # others train, so a collective here would wait forever. There the policy state (with its
+    # spec, checked on load) comes from rank 0 at every sync instead.
+    elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+    allgather = None if hvd.size() == 1 or elastic else \
         (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
     return agree_across_ranks(lambda: _build_policy(policy, scale, budget, optimizer, passes),
                               allgather)
