@@ -175,8 +175,8 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         self._end_queued = False
         self._passes += 1
         if self._passes == self.backward_passes_per_step and self._stats_handle is None:
-            # Enqueued microseconds after the last gradient, so Horovod's background thread
-            # takes it in the same cycle (a later enqueue, in step(), costs a cycle of its own).
+            # Enqueued microseconds after the last gradient, so Horovod's background thread can
+            # take it in the same cycle; an enqueue in step() would come a cycle late.
             self._stats_handle = self._start_stats_allreduce()
 
     def _start_stats_allreduce(self):
