@@ -18,6 +18,9 @@ import torch
 from hvd_scale.adapters.torch import DistributedOptimizer
 
 
+TEACHER = torch.randn(8, 3, generator=torch.Generator().manual_seed(7))
+
+
 def emit(**values):
     sys.stdout.write("RESULT " + json.dumps({"rank": hvd.rank(), **values}) + "\n")
     sys.stdout.flush()
@@ -26,8 +29,11 @@ def emit(**values):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hosts-file", required=True)
-    p.add_argument("--resize-at", type=int, required=True, help="optimizer step at which to resize")
-    p.add_argument("--resize-to", type=int, required=True)
+    p.add_argument("--resize-at", type=int, default=None, help="optimizer step at which to resize")
+    p.add_argument("--resize-to", type=int, default=None)
+    p.add_argument("--die-on-host", default=None,
+                   help="the worker on this host name crashes (os._exit(1)) at --die-at")
+    p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--budget", type=float, required=True)
     p.add_argument("--policy", default="adascale")
     p.add_argument("--step-sleep", type=float, default=0.3,
@@ -37,7 +43,7 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
                                named_parameters=model.named_parameters(), policy=args.policy,
                                budget=args.budget)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, resized=False)
@@ -48,13 +54,17 @@ def main():
             step = opt.policy.steps
             g = torch.Generator().manual_seed(1000 * step + hvd.rank())
             x = torch.randn(16, 8, generator=g)
-            y = torch.randint(0, 3, (16,), generator=g)
+            y = (x @ TEACHER).argmax(1)  # a learnable task, so runs can be compared on quality
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             emit(kind="step", step=opt.policy.steps, size=hvd.size(), scale=opt.scale,
                  progress=opt.progress, gain=opt.gain)
-            if not state.resized and opt.policy.steps >= args.resize_at:
+            if (args.die_on_host and os.environ.get("HOROVOD_HOSTNAME") == args.die_on_host
+                    and opt.policy.steps >= args.die_at):
+                sys.stdout.flush()
+                os._exit(1)  # a crash: no goodbye to the others
+            if args.resize_at is not None and not state.resized and opt.policy.steps >= args.resize_at:
                 state.resized = True  # on every rank, so the flag is committed alike
                 if hvd.rank() == 0:
                     with open(args.hosts_file + ".tmp", "w") as f:
@@ -64,7 +74,12 @@ def main():
             state.commit()  # commits the policy with the optimizer, and checks for host changes
 
     train(state)
-    emit(kind="final", size=hvd.size(), scale=opt.scale, progress=opt.progress,
+    g = torch.Generator().manual_seed(999)  # a fixed held-out batch, the same for every run
+    x = torch.randn(512, 8, generator=g)
+    y = (x @ TEACHER).argmax(1)
+    with torch.no_grad():
+        eval_loss = float(torch.nn.functional.cross_entropy(model(x), y))
+    emit(kind="final", size=hvd.size(), scale=opt.scale, progress=opt.progress, eval_loss=eval_loss,
          steps=opt.policy.steps, sigma2=opt.sigma2,
          checksum=float(sum(p.detach().double().sum() for p in model.parameters())))
 
