@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Any, Iterable
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -190,8 +190,6 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
 
     def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
         """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
-        if self.policy.statistics != "preconditioned":
-            return grad
         state = self.state.get(p)
         if not state or "exp_avg_sq" not in state:
             return grad  # first step: no second moment yet, the plain gradient
@@ -406,15 +404,6 @@ def broadcast_state(model: torch.nn.Module, optimizer: DistributedOptimizer, roo
     hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
     policy_state = hvd.broadcast_object(optimizer.policy.state_dict(), root_rank=root_rank)
     optimizer.policy.load_state_dict(policy_state)
-
-
-def train_until(optimizer: DistributedOptimizer, budget: float, batches: Iterable) -> Iterable:
-    """Yield batches (cycling) until progress reaches the budget: ``for x, y in train_until(...)``."""
-    while True:
-        for batch in batches:
-            if optimizer.done(budget):
-                return
-            yield batch
 
 
 # -- Horovod elastic ----------------------------------------------------------------------------

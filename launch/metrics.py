@@ -58,11 +58,14 @@ class MetricsLogger:
         self._csv.writeheader()
         if tensorboard:
             try:
+                from tensorboard.compat.proto.event_pb2 import Event
+                from tensorboard.compat.proto.summary_pb2 import Summary
                 from tensorboard.summary.writer.event_file_writer import EventFileWriter
             except ImportError:  # TensorBoard is optional: the CSV is always written
-                EventFileWriter = None
-            if EventFileWriter is not None:
+                pass
+            else:
                 self._tb = EventFileWriter(str(self.log_dir / "tb"))
+                self._event, self._summary = Event, Summary
         if progress_bar and budget:
             try:
                 from tqdm import tqdm
@@ -86,13 +89,10 @@ class MetricsLogger:
         self._pending_loss = None
         self._csv.writerow(row)
         if self._tb is not None:
-            from tensorboard.compat.proto.event_pb2 import Event
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            values = [Summary.Value(tag=f"hvd_scale/{k}", simple_value=row[k])
+            values = [self._summary.Value(tag=f"hvd_scale/{k}", simple_value=row[k])
                       for k in COLUMNS if k not in ("step", "time") and not math.isnan(row.get(k, math.nan))]
-            self._tb.add_event(Event(wall_time=time.time(), step=int(row["step"]),
-                                     summary=Summary(value=values)))  # flushed by its thread
+            self._tb.add_event(self._event(wall_time=time.time(), step=int(row["step"]),
+                                           summary=self._summary(value=values)))  # flushed by its thread
         if self._bar is not None:
             self._bar.update(min(row["progress"], self.budget) - self._bar.n)
             self._bar.set_postfix(gain=f"{row['gain']:.2f}", refresh=False)
@@ -106,11 +106,3 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
         self.active = False
-
-
-def from_env(*, rank: int, run_info: Mapping | None = None, budget: float | None = None) -> MetricsLogger | None:
-    """A logger when ``$HVD_SCALE_LOG_DIR`` is set (by ``hvd-scale run --log-dir``), else None."""
-    log_dir = os.environ.get(LOG_DIR_ENV)
-    if not log_dir:
-        return None
-    return MetricsLogger(log_dir, rank=rank, run_info=run_info, budget=budget)
