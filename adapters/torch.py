@@ -315,9 +315,8 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         """Horovod elastic changed the number of workers: S changes in proportion (so a scale
         given for a baseline batch stays consistent); AdaScale keeps its estimates and tau."""
         size = hvd.size()
-        if size != self._world_size:
-            self.policy.rescale(self.policy.scale * size / self._world_size)
-            self._world_size = size
+        self.policy.follow_workers(self._world_size, size)
+        self._world_size = size
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.

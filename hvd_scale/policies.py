@@ -258,6 +258,12 @@ class Policy:
         """A new S (the world size changed): estimates and tau are in baseline units and stay."""
         self.estimator.rescale(new_scale)
 
+    def follow_workers(self, before: int, after: int) -> None:
+        """The job went from ``before`` to ``after`` workers (a Horovod elastic resize): S changes
+        in proportion, so a scale given for another baseline batch stays consistent."""
+        if after != before:
+            self.rescale(self.scale * after / before)
+
     # What can be read and logged.
     @property
     def spec(self) -> str:

@@ -143,6 +143,18 @@ def test_rescale_linear_factor_equals_new_scale():
     assert policy.progress == 4 + 16
 
 
+def test_follow_workers_scales_s_in_proportion_and_keeps_progress():
+    policy = make_policy("adascale", scale=6)  # 3 workers x 2 baseline batches each
+    policy.step([12.0], [1.25], 6)
+    tau, sigma2 = policy.progress, policy.estimator.sigma2
+    policy.follow_workers(3, 3)
+    assert policy.scale == 6
+    policy.follow_workers(3, 2)
+    assert policy.scale == 4 and policy.progress == tau and policy.estimator.sigma2 == sigma2
+    policy.follow_workers(2, 4)
+    assert policy.scale == 8
+
+
 def test_warmup_fraction_span_follows_scale_on_rescale():
     policy = make_policy("warmup:fraction=0.1", scale=4, budget=1000)
     assert policy.span == 25  # 10% of 1000 baseline steps = 100 / 4 optimizer steps
