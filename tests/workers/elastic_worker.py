@@ -7,6 +7,7 @@ Each rank reports every step it takes (RESULT lines tagged "step") and a final s
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -20,9 +21,13 @@ from hvd_scale.adapters.torch import DistributedOptimizer
 
 TEACHER = torch.randn(8, 3, generator=torch.Generator().manual_seed(7))
 
+SEQUENCE = itertools.count()
+
 
 def emit(**values):
-    sys.stdout.write("RESULT " + json.dumps({"rank": hvd.rank(), **values}) + "\n")
+    # pid and seq: a worker's rank changes on a resize, its process and its own order do not.
+    record = {"rank": hvd.rank(), "pid": os.getpid(), "seq": next(SEQUENCE), **values}
+    sys.stdout.write("RESULT " + json.dumps(record) + "\n")
     sys.stdout.flush()
 
 
