@@ -1,6 +1,7 @@
 """Keras 3 adapter (TensorFlow backend): Horovod gradient averaging plus a learning-rate policy.
 
     import horovod.tensorflow as hvd
+from horovod.common.elastic import ObjectState
     import keras
     from hvd_scale.adapters.keras import BroadcastInitialState, DistributedOptimizer, ScalingMetrics
 
@@ -61,12 +62,14 @@ Conventions and limits:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
 from typing import Any, Sequence
 
 import horovod.tensorflow as hvd
+from horovod.common.elastic import ObjectState
 import keras
 import numpy as np
 import tensorflow as tf
@@ -99,6 +102,16 @@ def _lr_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimiz
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     return optimizer
+
+
+def _elastic() -> bool:
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def _world_size() -> tf.Tensor:
+    """hvd.size() as a tensor; under Horovod elastic read when the graph runs, not when it is
+    traced (a resize must not leave a train function with the old size, as Horovod does)."""
+    return tf.cast(hvd.size_op() if _elastic() else hvd.size(), tf.float64)
 
 
 def _in_xla_context() -> bool:
@@ -194,7 +207,9 @@ class DistributedOptimizer(PolicyReadout, keras.optimizers.Optimizer):
         optimizer_name = type(owner).__name__
         k = backward_passes_per_step
         micro_gradients = hvd.size() * k
-        allgather = None if hvd.size() == 1 else \
+        # Not under Horovod elastic: a joining worker builds its optimizer while the others
+        # wait in the state sync, so an allgather here would hang (the sync brings rank 0's state).
+        allgather = None if hvd.size() == 1 or _elastic() else \
             (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
         policy_obj = agree_across_ranks(
             lambda: resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
@@ -221,6 +236,7 @@ class DistributedOptimizer(PolicyReadout, keras.optimizers.Optimizer):
                       "backward_passes_per_step": k, "optimizer": optimizer_name,
                       "framework": "keras"})
         self._mirror: np.ndarray | None = None  # the state vector the cached policy holds
+        self._world_size = hvd.size()  # S follows it under Horovod elastic (see _engine_step)
         self._last_lr = math.nan
 
     # -- Keras optimizer protocol ----------------------------------------------------------------
@@ -305,7 +321,7 @@ class DistributedOptimizer(PolicyReadout, keras.optimizers.Optimizer):
 
     def _step(self, local_grads, variables, local_sqnorm, local_count):
         """One optimizer step from this worker's summed micro-gradients and statistics."""
-        size, k = hvd.size(), self.backward_passes_per_step
+        k = self.backward_passes_per_step
         tensors = list(local_grads)
         if self._measure:
             # In the gradients' precision so that they share their group (float64 for a float64
@@ -318,7 +334,7 @@ class DistributedOptimizer(PolicyReadout, keras.optimizers.Optimizer):
         if k > 1:
             mean = [g / tf.cast(k, g.dtype) for g in mean]  # the mean micro-gradient
         if self._measure:
-            stats = tf.cast(reduced[-1], tf.float64) * float(size)  # the sums over workers
+            stats = tf.cast(reduced[-1], tf.float64) * _world_size()  # the sums over workers
             mean_sqnorm = self._unscale(_sqnorm(self._precondition(mean, variables)))
             finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(stats)),
                                     tf.math.is_finite(mean_sqnorm))
@@ -406,11 +422,17 @@ class DistributedOptimizer(PolicyReadout, keras.optimizers.Optimizer):
         """tf.numpy_function body: (new state vector, lr factor; 0 for a skipped step)."""
         self._load_vector(state)
         policy = self._policy
+        size = hvd.size()
+        policy.follow_workers(self._world_size, size)
+        self._world_size = size
         if not finite:
             policy.skip()
             factor = 0.0
         elif self._measure:
             sqnorm_sum, n = unpack_summed(stats, 1)
+            if n != size * self.backward_passes_per_step:  # e.g. a world size frozen in a graph
+                raise RuntimeError(f"hvd_scale: the step's statistics count {n} micro-gradients, "
+                                   f"expected {size} workers x {self.backward_passes_per_step}")
             factor = policy.step(sqnorm_sum, [float(mean_sqnorm)], n).lr_factor
         else:
             factor = policy.step().lr_factor
@@ -543,15 +565,114 @@ def broadcast_state(model, optimizer=None, root_rank: int = 0) -> None:
     ``hvd_scale_state`` included) from root_rank. Builds the optimizer if needed; the model
     must be built."""
     optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
-    variables = list(model.variables)
-    if not variables:
-        raise ValueError("the model has no variables yet: build it (call it on a batch) first")
-    if optimizer is not None:
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)
-        variables += list(optimizer.variables)
+    if optimizer is None:
+        variables = list(model.variables)
+        if not variables:
+            raise ValueError("the model has no variables yet: build it (call it on a batch) first")
+    else:
+        variables = _model_and_optimizer_variables(model, optimizer)
     hvd.broadcast_variables([v.value if isinstance(v, keras.Variable) else v for v in variables],
                             root_rank=root_rank)
+
+
+def _model_and_optimizer_variables(model, optimizer) -> list:
+    if not model.variables:
+        raise ValueError("the model has no variables yet: build it (call it on a batch) first")
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    return list(model.variables) + list(optimizer.variables)
+
+
+class ElasticState(ObjectState):
+    """Horovod elastic state of a Keras 3 model and this optimizer, for ``hvd.elastic.run``.
+
+        state = ElasticState(model, opt, epoch=0)   # extra keyword values are committed too
+        @hvd.elastic.run
+        def train(state): ...; state.commit()
+
+    ``commit()`` copies every model variable and every optimizer variable (the inner optimizer's
+    slots, ``iterations`` and ``hvd_scale_state``: steps, tau and the gain estimates) to host
+    memory; after a failure ``restore()`` puts them back, and after a resize ``sync()``
+    broadcasts them from rank 0 (how a joining worker gets tau and the weights). S follows the
+    new world size at the next step (``follow_workers``). Horovod's own ``TensorFlowKerasState``
+    calls Keras 2 APIs and fails with Keras 3.
+    """
+
+    def __init__(self, model, optimizer: DistributedOptimizer | None = None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        if not isinstance(self.optimizer, DistributedOptimizer):
+            raise TypeError(f"ElasticState needs hvd_scale's DistributedOptimizer (given, or "
+                            f"compiled into the model), got {type(self.optimizer).__name__}")
+        self._variables = _model_and_optimizer_variables(model, self.optimizer)
+        self._save_variables()
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+
+    def _save_variables(self) -> None:
+        self._saved_values = [np.array(v.numpy(), copy=True) for v in self._variables]
+
+    def save(self):
+        self._save_variables()
+        super().save()
+
+    def restore(self):
+        for variable, value in zip(self._variables, self._saved_values):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self):
+        broadcast_state(self.model, self.optimizer)
+        self._save_variables()
+        super().sync()
+
+
+def elastic_run(func):
+    """``hvd.elastic.run`` for TensorFlow, without its silent failure: Horovod's wrapper turns an
+    ``UnknownError`` from a Horovod collective into a restore-and-retry, but *returns None* on any
+    other ``UnknownError`` (e.g. a Python error raised inside a ``tf.numpy_function`` or
+    ``py_function``), so training stops early as if it had finished. This one re-raises those.
+
+        @elastic_run
+        def train(state): ...
+    """
+    from horovod.common.elastic import run_fn
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.tensorflow.elastic import _reset
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.UnknownError as e:
+            # Horovod's own test: the op names of its collectives in the message.
+            if any(op in e.message for op in ("HorovodAllreduce", "HorovodAllgather",
+                                              "HorovodBroadcast")):
+                raise HorovodInternalError(e) from e
+            raise
+    return run_fn(wrapper, _reset)
+
+
+class CommitState(keras.callbacks.Callback):
+    """``model.fit`` under ``hvd.elastic.run``: commit the ElasticState every
+    ``batches_per_commit`` batches and at each epoch's end (a commit also checks for added or
+    removed hosts). Re-entering ``fit`` after a reset goes on from the committed tau; stop on
+    tau with ``ScalingMetrics(budget=...)``."""
+
+    def __init__(self, state: ElasticState, batches_per_commit: int = 1):
+        super().__init__()
+        if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) \
+                or batches_per_commit < 1:
+            raise ValueError(f"batches_per_commit must be an integer >= 1, got {batches_per_commit!r}")
+        self.state, self.batches_per_commit = state, batches_per_commit
+        self._batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if self._batches % self.batches_per_commit == 0:
+            self.state.commit()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.commit()
 
 
 class BroadcastInitialState(keras.callbacks.Callback):

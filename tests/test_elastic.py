@@ -1,21 +1,26 @@
-"""Horovod elastic with the torch adapter: a worker leaves, a worker joins; S follows, tau goes on.
+"""Horovod elastic with both adapters: a worker leaves, a worker joins, a worker dies; S follows,
+tau goes on.
 
 Rank 0 rewrites the host file that the discovery script prints, so the resize happens at a known
 step without killing anything by hand; the driver polls it every second.
 """
 
+import subprocess
 import sys
 
 import pytest
 
-from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_results
+from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_env, worker_results
 
 pytestmark = [requires_horovod]
 BUDGET = 60
 
 
+TORCH, KERAS = "elastic_worker.py", "elastic_keras_worker.py"
+
+
 def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | None = None,
-                worker_args=()):
+                worker_args=(), worker=TORCH):
     tmp_path.mkdir(parents=True, exist_ok=True)
     hosts = tmp_path / "hosts"
     hosts.write_text(hosts_text or f"localhost:{start}\n")
@@ -24,14 +29,17 @@ def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | 
     discover.chmod(0o755)
     resize = [] if end is None else ["--resize-at", "6", "--resize-to", str(end)]
     proc = run_horovod(
-        [sys.executable, str(WORKERS_DIR / "elastic_worker.py"), "--hosts-file", str(hosts),
+        [sys.executable, str(WORKERS_DIR / worker), "--hosts-file", str(hosts),
          "--budget", str(BUDGET), *resize, *worker_args],
         np=start, hosts=False, timeout=150,
         hvd_args=["--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discover),
                   "--network-interfaces", "lo"])
     results = worker_results(proc)
-    steps = [r for r in results if r["kind"] == "step" and r["rank"] == 0]
     finals = [r for r in results if r["kind"] == "final"]
+    # Every step of the process that ends as rank 0 (it may have had another rank before).
+    pid = next(f["pid"] for f in finals if f["rank"] == 0)
+    steps = sorted((r for r in results if r["kind"] == "step" and r["pid"] == pid),
+                   key=lambda r: r["seq"])
     return steps, finals
 
 
@@ -92,3 +100,63 @@ def test_a_worker_dies_and_the_job_finishes_on_the_rest(tmp_path):
     full = uninterrupted[0]["eval_loss"]
     assert full < 0.5
     assert abs(finals[0]["eval_loss"] - full) < 0.1 * full + 0.02, (finals[0]["eval_loss"], full)
+
+
+# -- the Keras adapter: ElasticState, CommitState, elastic_run -----------------------------------
+
+@pytest.mark.timeout(200)
+def test_keras_a_worker_leaves_from_a_traced_train_step(tmp_path):
+    # The step is one tf.function traced at 3 workers: the world size must not stay frozen in it.
+    steps, finals = run_elastic(tmp_path, 3, 2, worker=KERAS)
+    check(steps, finals, 3, 2)
+
+
+@pytest.mark.timeout(200)
+def test_keras_fit_a_worker_joins_with_the_committed_state(tmp_path):
+    steps, finals = run_elastic(tmp_path, 2, 3, worker=KERAS, worker_args=["--fit"])
+    check(steps, finals, 2, 3)
+    assert any(f["rank"] == 2 for f in finals)
+
+
+@pytest.mark.timeout(300)
+def test_keras_a_worker_dies_and_the_job_finishes_on_the_rest(tmp_path):
+    die = ["--die-on-host", "127.0.0.1", "--die-at", "6", "--step-sleep", "0.1"]
+    steps, finals = run_elastic(tmp_path / "killed", 3, hosts_text=TWO_HOSTS, worker=KERAS,
+                                worker_args=die)
+    sizes = [r["size"] for r in steps]
+    assert sizes[0] == 3 and sizes[-1] == 2
+    for r in steps:
+        assert r["scale"] == r["size"] and 1.0 <= r["gain"] <= r["scale"]
+    for before, after in zip(steps, steps[1:]):
+        assert after["step"] in (before["step"], before["step"] + 1), (before, after)
+        if after["step"] == before["step"]:  # redone from the last commit, which was before it
+            assert after["progress"] >= before["progress"] - before["gain"] - 1e-9
+        else:
+            assert after["progress"] > before["progress"]
+    assert len(finals) == 2 and finals[0]["progress"] >= BUDGET
+    assert finals[0]["checksum"] == finals[1]["checksum"]
+    # Quality close to the uninterrupted 3-worker run (the loss starts near ln 3 = 1.10).
+    _, uninterrupted = run_elastic(tmp_path / "full", 3, hosts_text=TWO_HOSTS, worker=KERAS,
+                                   worker_args=["--step-sleep", "0.1"])
+    full = uninterrupted[0]["eval_loss"]
+    assert full < 0.5
+    assert abs(finals[0]["eval_loss"] - full) < 0.1 * full + 0.02, (finals[0]["eval_loss"], full)
+
+
+def run_single(*args):
+    """The Keras elastic worker as one plain process (hvd.init() alone: size 1, no driver)."""
+    return subprocess.run([sys.executable, str(WORKERS_DIR / KERAS), "--hosts-file", "unused",
+                           "--budget", "20", "--step-sleep", "0", *args],
+                          capture_output=True, text=True, timeout=120, env=worker_env())
+
+
+@pytest.mark.timeout(300)
+def test_keras_elastic_run_raises_an_error_that_horovods_run_swallows():
+    ours = run_single("--fail-at", "3")
+    assert ours.returncode != 0 and "RuntimeError: user error at step 3" in ours.stderr, \
+        ours.stderr[-3000:]
+    assert '"kind": "final"' not in ours.stdout
+    # Horovod's hvd.elastic.run returns None on the same error: "finished" at tau 3 of 20.
+    horovods = run_single("--fail-at", "3", "--horovod-run")
+    assert horovods.returncode == 0, horovods.stderr[-3000:]
+    assert '"progress": 3.0' in horovods.stdout and '"kind": "final"' in horovods.stdout
