@@ -20,6 +20,15 @@ Custom training loops work the same way, eagerly or inside ``tf.function``:
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply(grads, model.trainable_variables)   # or opt.apply_gradients(zip(grads, vars))
 
+Horovod elastic (``horovodrun --min-np ... --host-discovery-script ...``):
+
+    state = ElasticState(model, opt)                  # commits weights, optimizer and policy state
+    @elastic_run                                      # hvd.elastic.run, minus a silent failure
+    def train(state):
+        while not opt.done():
+            model.fit(x, y, epochs=1, callbacks=[ScalingMetrics(), CommitState(state)])
+    train(state)
+
 What this module does, and nothing more (the math is in the engine, ``hvd_scale``):
 
 * statistics: this worker's sum of squared micro-gradient norms and its micro-batch count (the
