@@ -203,4 +203,6 @@ def test_bad_arguments_error_on_every_rank(results):
         assert e["keras_accumulation"] and "backward_passes_per_step" in e["keras_accumulation"]
         assert "different policies" in e["differ"] and "'sqrt'" in e["differ"]
         assert "rank 1" in e["one_bad"] and "'x'" in e["one_bad"]
+        assert "DistributedOptimizer" in e["elastic_plain_optimizer"] and "SGD" in e["elastic_plain_optimizer"]
+        assert "batches_per_commit" in e["commit_every_0"] and "0" in e["commit_every_0"]
         assert r["alive"] == NP

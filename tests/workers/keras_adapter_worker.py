@@ -22,8 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_scale import GainEstimator
-from hvd_scale.adapters.keras import (BroadcastInitialState, DistributedOptimizer, ScalingMetrics,
-                                      broadcast_state)
+from hvd_scale.adapters.keras import (BroadcastInitialState, CommitState, DistributedOptimizer,
+                                      ElasticState, ScalingMetrics, broadcast_state)
 
 keras.config.set_floatx("float64")  # before any Keras object (the loss below) is made
 LR = 0.05
@@ -373,12 +373,14 @@ def case_bad_policy():
                                                policy=["adascale", "sqrt"][hvd.rank()]),
         "one_bad": lambda: DistributedOptimizer(keras.optimizers.SGD(LR),
                                                 policy=["adascale", "sqrt:x=1"][hvd.rank()]),
+        "elastic_plain_optimizer": lambda: ElasticState(make_model(), keras.optimizers.SGD(LR)),
+        "commit_every_0": lambda: CommitState(None, batches_per_commit=0),
     }
     for name, attempt in attempts.items():
         try:
             attempt()
             errors[name] = None
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             errors[name] = str(e)
     # Every rank is still in step: a collective completes.
     alive = float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="check.alive"))
