@@ -140,6 +140,7 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         self._pending: torch.Tensor | None = None  # this step's [sums, count, q] after synchronize
         self._stats_handle = None  # the statistics allreduce in flight
         self._passes = 0           # backward passes since the last synchronize
+        self._hooks_seen = 0       # norm hooks run in the current backward pass
         self._end_queued = False   # an end-of-backward callback is queued
         self._synchronized = False
         self._skip_sync = False
@@ -164,20 +165,29 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
             # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
             g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
             norms.append(self._norm(g))
+            self._hooks_seen += 1
+            if self._hooks_seen == len(self._hooks) and self._last_pass():
+                # The step's last gradient: this hook runs before Horovod's hook enqueues its
+                # allreduce, so the statistics are in Horovod's queue no later than the last
+                # gradient and never wait a cycle for themselves.
+                self._stats_handle = self._start_stats_allreduce()
             if not self._end_queued:
                 self._end_queued = True
-                # Runs when this backward pass ends, right after Horovod's hooks have enqueued
-                # the last gradient allreduce (DDP uses the same engine callback).
+                # Runs when this backward pass ends (DDP uses the same engine callback).
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return hook
 
+    def _last_pass(self) -> bool:
+        return self._passes + 1 == self.backward_passes_per_step and self._stats_handle is None
+
     def _end_of_backward(self) -> None:
         self._end_queued = False
-        self._passes += 1
-        if self._passes == self.backward_passes_per_step and self._stats_handle is None:
-            # Enqueued microseconds after the last gradient, so Horovod's background thread can
-            # take it in the same cycle; an enqueue in step() would come a cycle late.
+        if self._last_pass():
+            # Some parameters got no gradient in this pass: send the statistics now, right
+            # after Horovod's hooks enqueued the last gradient.
             self._stats_handle = self._start_stats_allreduce()
+        self._passes += 1
+        self._hooks_seen = 0
 
     def _start_stats_allreduce(self):
         return hvd.allreduce_async_(self._local_sums(), op=hvd.Sum, name=STATS_NAME)
@@ -244,7 +254,7 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
             # The previous step's statistics were never used: its step was skipped (AMP overflow).
             self.policy.skip()
             self._pending = None
-        handle, self._stats_handle, self._passes = self._stats_handle, None, 0
+        handle, self._stats_handle, self._passes, self._hooks_seen = self._stats_handle, None, 0, 0
         if self._measure and handle is None:
             # Fewer backward passes than announced: send the statistics now.
             handle = self._start_stats_allreduce()
@@ -345,7 +355,7 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         # torch's load_state_dict builds new group dicts and a new state: share them again.
         self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
         self.policy = policy
-        self._pending, self._synchronized, self._passes = None, False, 0
+        self._pending, self._synchronized, self._passes, self._hooks_seen = None, False, 0, 0
         if self._stats_handle is not None:  # a step's statistics in flight: finish, then drop them
             hvd.synchronize(self._stats_handle)
             self._stats_handle = None
