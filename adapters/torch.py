@@ -205,7 +205,8 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
             return grad  # first step: no second moment yet, the plain gradient
         step = float(state["step"])
         bias_correction2 = 1 - group["betas"][1] ** step
-        return grad / ((state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"]))
+        denom = (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"])
+        return torch.div(grad, denom, out=denom)  # in denom's buffer: one temporary, not two
 
     def _local_sums(self) -> torch.Tensor:
         """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), in the gradients' dtype
@@ -235,15 +236,16 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         dt = self._stats_dtype
         out = []
         for group in self.param_groups:
-            grads = [self._precondition(p, p.grad, group) if precondition else p.grad
-                     for p in group["params"] if p.grad is not None]
-            if not grads:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
                 out.append(torch.zeros((), dtype=dt))
                 continue
-            if all(g.dtype == dt for g in grads):
-                norms = torch._foreach_norm(grads)  # one fused kernel over the group
+            if precondition:  # one preconditioned gradient alive at a time, not the whole model
+                norms = [self._norm(self._precondition(p, p.grad, group)) for p in params]
+            elif all(p.grad.dtype == dt for p in params):
+                norms = torch._foreach_norm([p.grad for p in params])  # one fused kernel
             else:
-                norms = [self._norm(g) for g in grads]
+                norms = [self._norm(p.grad) for p in params]
             out.append(torch.stack(norms).square().sum() / divisor ** 2)
         return torch.stack(out)
 

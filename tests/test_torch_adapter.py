@@ -162,6 +162,7 @@ def test_adascale_adam_uses_sqrt_gain(results):
     # far above the raw gradients' (the first step, before Adam has v, uses the raw gradient).
     assert rows[-1]["sigma2"] > 100 * rows[0]["sigma2"]
     assert r0["lr"] == 1e-3
+    assert r0["precondition_exact"] and r0["grad_untouched"]
 
 
 @pytest.mark.timeout(300)

@@ -275,7 +275,17 @@ def case_adam():
         opt.step()
         rows.append({"gain": opt.gain, "lr_factor": opt.lr_factor, "progress": opt.progress,
                      "sigma2": opt.sigma2})
-    emit("adam", rows=rows, lr=opt.param_groups[0]["lr"])
+    # The preconditioned gradient, computed in a reused buffer, is exactly g / (sqrt(v_hat) + eps)
+    # and leaves g as it was.
+    group = opt.param_groups[0]
+    p = group["params"][0]
+    g = torch.randn_like(p)
+    g_before = g.clone()
+    bias_correction2 = 1 - group["betas"][1] ** float(opt.state[p]["step"])
+    expected = g / ((opt.state[p]["exp_avg_sq"] / bias_correction2).sqrt() + group["eps"])
+    exact = torch.equal(opt._precondition(p, g, group), expected)
+    emit("adam", rows=rows, lr=opt.param_groups[0]["lr"], precondition_exact=exact,
+         grad_untouched=torch.equal(g, g_before))
 
 
 def case_misuse():
