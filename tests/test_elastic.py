@@ -76,11 +76,13 @@ def test_a_worker_joins_with_the_committed_state(tmp_path):
 TWO_HOSTS = "localhost:2\n127.0.0.1:1\n"
 
 
-@pytest.mark.timeout(300)
-def test_a_worker_dies_and_the_job_finishes_on_the_rest(tmp_path):
-    steps, finals = run_elastic(tmp_path / "killed", 3, hosts_text=TWO_HOSTS, worker_args=[
-        "--die-on-host", "127.0.0.1", "--die-at", "6", "--step-sleep", "0.1"])
-    _, uninterrupted = run_elastic(tmp_path / "full", 3, hosts_text=TWO_HOSTS,
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("worker", [TORCH, KERAS])
+def test_a_worker_dies_and_the_job_finishes_on_the_rest(tmp_path, worker):
+    steps, finals = run_elastic(tmp_path / "killed", 3, hosts_text=TWO_HOSTS, worker=worker,
+                                worker_args=["--die-on-host", "127.0.0.1", "--die-at", "6",
+                                             "--step-sleep", "0.1"])
+    _, uninterrupted = run_elastic(tmp_path / "full", 3, hosts_text=TWO_HOSTS, worker=worker,
                                    worker_args=["--step-sleep", "0.1"])
     sizes = [r["size"] for r in steps]
     assert sizes[0] == 3 and sizes[-1] == 2
@@ -116,31 +118,6 @@ def test_keras_fit_a_worker_joins_with_the_committed_state(tmp_path):
     steps, finals = run_elastic(tmp_path, 2, 3, worker=KERAS, worker_args=["--fit"])
     check(steps, finals, 2, 3)
     assert any(f["rank"] == 2 for f in finals)
-
-
-@pytest.mark.timeout(300)
-def test_keras_a_worker_dies_and_the_job_finishes_on_the_rest(tmp_path):
-    die = ["--die-on-host", "127.0.0.1", "--die-at", "6", "--step-sleep", "0.1"]
-    steps, finals = run_elastic(tmp_path / "killed", 3, hosts_text=TWO_HOSTS, worker=KERAS,
-                                worker_args=die)
-    sizes = [r["size"] for r in steps]
-    assert sizes[0] == 3 and sizes[-1] == 2
-    for r in steps:
-        assert r["scale"] == r["size"] and 1.0 <= r["gain"] <= r["scale"]
-    for before, after in zip(steps, steps[1:]):
-        assert after["step"] in (before["step"], before["step"] + 1), (before, after)
-        if after["step"] == before["step"]:  # redone from the last commit, which was before it
-            assert after["progress"] >= before["progress"] - before["gain"] - 1e-9
-        else:
-            assert after["progress"] > before["progress"]
-    assert len(finals) == 2 and finals[0]["progress"] >= BUDGET
-    assert finals[0]["checksum"] == finals[1]["checksum"]
-    # Quality close to the uninterrupted 3-worker run (the loss starts near ln 3 = 1.10).
-    _, uninterrupted = run_elastic(tmp_path / "full", 3, hosts_text=TWO_HOSTS, worker=KERAS,
-                                   worker_args=["--step-sleep", "0.1"])
-    full = uninterrupted[0]["eval_loss"]
-    assert full < 0.5
-    assert abs(finals[0]["eval_loss"] - full) < 0.1 * full + 0.02, (finals[0]["eval_loss"], full)
 
 
 def run_single(*args):

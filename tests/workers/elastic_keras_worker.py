@@ -6,15 +6,10 @@
 Two ways to train, both under ``hvd.elastic.run`` with ``ElasticState``: a custom loop whose step
 is one ``tf.function`` traced before the resize (the world size must not stay frozen in it), or
 ``model.fit`` with the ``CommitState`` and ``ScalingMetrics`` callbacks. Each rank reports every
-step it takes (RESULT lines tagged "step") and a final summary, as elastic_worker.py.
+step it takes (RESULT lines tagged "step") and a final summary (see _elastic.py).
 """
 
-import argparse
-import itertools
-import json
 import os
-import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -23,20 +18,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from _elastic import after_step, emit_final, parser
 from hvd_scale.adapters.keras import (CommitState, DistributedOptimizer, ElasticState, ScalingMetrics,
                                       elastic_run)
 
 TEACHER = np.random.default_rng(7).normal(size=(8, 3))
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-SEQUENCE = itertools.count()
-
-
-def emit(**values):
-    # pid and seq: a worker's rank changes on a resize, its process and its own order do not.
-    record = {"rank": hvd.rank(), "pid": os.getpid(), "seq": next(SEQUENCE), **values}
-    sys.stdout.write("RESULT " + json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def batch(step, rank, size=16):
@@ -46,21 +33,12 @@ def batch(step, rank, size=16):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--hosts-file", required=True)
-    p.add_argument("--resize-at", type=int, default=None, help="optimizer step at which to resize")
-    p.add_argument("--resize-to", type=int, default=None)
-    p.add_argument("--die-on-host", default=None,
-                   help="the worker on this host name crashes (os._exit(1)) at --die-at")
-    p.add_argument("--die-at", type=int, default=None)
-    p.add_argument("--budget", type=float, required=True)
+    p = parser("elastic job, Keras adapter")
     p.add_argument("--fail-at", type=int, default=None,
                    help="the train step raises a Python error (inside the graph) at this step")
     p.add_argument("--horovod-run", action="store_true",
                    help="use hvd.elastic.run instead of hvd_scale's elastic_run")
     p.add_argument("--fit", action="store_true", help="train with model.fit and callbacks")
-    p.add_argument("--step-sleep", type=float, default=0.3,
-                   help="seconds per step, so the driver (polling hosts every second) sees the resize mid-run")
     args = p.parse_args()
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -77,28 +55,12 @@ def main():
             raise RuntimeError(f"user error at step {step}")
         return step
 
-    def after_step():
-        """Report, resize once (rank 0 rewrites the hosts), slow down: between step and commit."""
-        emit(kind="step", step=opt.policy.steps, size=hvd.size(), scale=opt.scale,
-             progress=opt.progress, gain=opt.gain)
-        if (args.die_on_host and os.environ.get("HOROVOD_HOSTNAME") == args.die_on_host
-                and opt.policy.steps >= args.die_at):
-            sys.stdout.flush()
-            os._exit(1)  # a crash: no goodbye to the others
-        if args.resize_at is not None and not state.resized and opt.policy.steps >= args.resize_at:
-            state.resized = True  # on every rank, so the flag is committed alike
-            if hvd.rank() == 0:
-                with open(args.hosts_file + ".tmp", "w") as f:
-                    f.write(f"localhost:{args.resize_to}\n")
-                os.replace(args.hosts_file + ".tmp", args.hosts_file)
-        time.sleep(args.step_sleep)
-
     if args.fit:
         model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
 
         class Report(keras.callbacks.Callback):
             def on_train_batch_end(self, batch_index, logs=None):
-                after_step()
+                after_step(hvd, args, state, opt)
 
         # Ranks draw batches by step and rank; a re-entered fit starts its epochs afresh.
         @run
@@ -120,15 +82,14 @@ def main():
         def train(state):
             while not opt.done():
                 train_step(*batch(opt.policy.steps, hvd.rank()))
-                after_step()
+                after_step(hvd, args, state, opt)
                 state.commit()  # commits the policy with the weights, and checks for host changes
 
     train(state)
     x, y = batch(10**6, 0, size=512)  # a fixed held-out batch, the same for every run
     eval_loss = float(LOSS(y, model(x, training=False)))
-    emit(kind="final", size=hvd.size(), scale=opt.scale, progress=opt.progress, eval_loss=eval_loss,
-         steps=opt.policy.steps, sigma2=opt.sigma2,
-         checksum=float(sum(np.sum(v.numpy(), dtype=np.float64) for v in model.variables)))
+    emit_final(hvd, opt, eval_loss,
+               checksum=float(sum(np.sum(v.numpy(), dtype=np.float64) for v in model.variables)))
 
 
 if __name__ == "__main__":

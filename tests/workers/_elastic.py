@@ -1,0 +1,55 @@
+"""What the two elastic workers (torch, Keras) share: options, reports, the resize and the crash.
+
+Imports nothing heavy: each worker passes its framework's ``hvd`` module.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+_SEQUENCE = itertools.count()
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--hosts-file", required=True)
+    p.add_argument("--resize-at", type=int, default=None, help="optimizer step at which to resize")
+    p.add_argument("--resize-to", type=int, default=None)
+    p.add_argument("--die-on-host", default=None,
+                   help="the worker on this host name crashes (os._exit(1)) at --die-at")
+    p.add_argument("--die-at", type=int, default=None)
+    p.add_argument("--budget", type=float, required=True)
+    p.add_argument("--step-sleep", type=float, default=0.3,
+                   help="seconds per step, so the driver (polling hosts every second) sees the resize mid-run")
+    return p
+
+
+def emit(hvd, **values) -> None:
+    # pid and seq: a worker's rank changes on a resize, its process and its own order do not.
+    record = {"rank": hvd.rank(), "pid": os.getpid(), "seq": next(_SEQUENCE), **values}
+    sys.stdout.write("RESULT " + json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def after_step(hvd, args, state, opt) -> None:
+    """Report the step; crash or resize once when asked; slow down. Between step and commit."""
+    emit(hvd, kind="step", step=opt.policy.steps, size=hvd.size(), scale=opt.scale,
+         progress=opt.progress, gain=opt.gain)
+    if (args.die_on_host and os.environ.get("HOROVOD_HOSTNAME") == args.die_on_host
+            and opt.policy.steps >= args.die_at):
+        os._exit(1)  # a crash: no goodbye to the others
+    if args.resize_at is not None and not state.resized and opt.policy.steps >= args.resize_at:
+        state.resized = True  # on every rank, so the flag is committed alike
+        if hvd.rank() == 0:
+            with open(args.hosts_file + ".tmp", "w") as f:
+                f.write(f"localhost:{args.resize_to}\n")
+            os.replace(args.hosts_file + ".tmp", args.hosts_file)
+    time.sleep(args.step_sleep)
+
+
+def emit_final(hvd, opt, eval_loss: float, checksum: float) -> None:
+    emit(hvd, kind="final", size=hvd.size(), scale=opt.scale, progress=opt.progress,
+         eval_loss=eval_loss, steps=opt.policy.steps, sigma2=opt.sigma2, checksum=checksum)
