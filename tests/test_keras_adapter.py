@@ -1,11 +1,12 @@
 """The Keras adapter under real `horovodrun -np 2` (Gloo): one job runs every case, tests check it."""
 
 import math
+import subprocess
 import sys
 
 import pytest
 
-from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_results
+from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_env, worker_results
 
 pytestmark = [requires_horovod]
 NP = 2
@@ -13,11 +14,18 @@ LR = 0.05
 
 
 @pytest.fixture(scope="module")
-def results():
-    proc = run_horovod([sys.executable, str(WORKERS_DIR / "keras_adapter_worker.py")], np=NP,
-                       timeout=420)
+def results(tmp_path_factory):
+    env = {"HVD_SCALE_TEST_DIR": str(tmp_path_factory.mktemp("keras_adapter"))}
+    worker = str(WORKERS_DIR / "keras_adapter_worker.py")
+    proc = run_horovod([sys.executable, worker], np=NP, timeout=420, env=env)
     by_case = {}
     for r in worker_results(proc):
+        by_case.setdefault(r["case"], {})[r["rank"]] = r
+    # The checkpoint of the 2-worker run, resumed by one process with 2 backward passes.
+    single = subprocess.run([sys.executable, worker, "resume_np1"], capture_output=True, text=True,
+                            timeout=180, env=worker_env(env))
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    for r in worker_results(single.stdout):
         by_case.setdefault(r["case"], {})[r["rank"]] = r
     return by_case
 
@@ -206,3 +214,17 @@ def test_bad_arguments_error_on_every_rank(results):
         assert "DistributedOptimizer" in e["elastic_plain_optimizer"] and "SGD" in e["elastic_plain_optimizer"]
         assert "batches_per_commit" in e["commit_every_0"] and "0" in e["commit_every_0"]
         assert r["alive"] == NP
+
+
+@pytest.mark.timeout(480)
+def test_resume_at_another_world_size_same_scale(results):
+    """np 2 x 1 pass -> tf.train.Checkpoint -> np 1 x 2 passes (S = 2 both): the same run."""
+    full, _ = both_ranks(results, "save_for_resize")
+    resumed = results["resume_np1"][0]
+    assert resumed["scale"] == full["scale"] == 2.0
+    assert resumed["resumed_progress"] == full["saved_progress"] > 0
+    # [gain, sum of the weights] at each step after the resume
+    assert len(resumed["rest"]) == len(full["rest"]) == 4
+    for mine, theirs in zip(resumed["rest"], full["rest"]):
+        assert mine == pytest.approx(theirs, rel=1e-9)
+    assert resumed["progress"] == pytest.approx(full["progress"], rel=1e-9)

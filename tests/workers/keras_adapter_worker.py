@@ -387,6 +387,50 @@ def case_bad_policy():
     emit("bad_policy", errors=errors, alive=alive)
 
 
+def steps_for_resize(model, opt, start, stop, passes):
+    """Steps whose micro-batches are (rank r, step) for r in 0..1, whatever the layout: 2 workers
+    x 1 pass, or 1 worker x 2 passes. Returns [gain, sum of the weights] per step."""
+    rows = []
+    for step in range(start, stop):
+        for j in range(passes):
+            x, y = micro_batch(hvd.rank() if passes == 1 else j, step, 0)
+            opt.apply(grads_of(model, x, y), model.trainable_variables)
+        rows.append([opt.gain, float(np.sum(weights_vector(model)))])
+    return rows
+
+
+def resize_optimizer(passes):
+    return DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9), policy="adascale",
+                                backward_passes_per_step=passes)
+
+
+def case_save_for_resize():
+    """np 2: 8 steps, a tf.train.Checkpoint after 4 (for the np 1 x 2 passes resume)."""
+    model, opt = make_model(), resize_optimizer(1)
+    steps_for_resize(model, opt, 0, 4, 1)
+    saved_progress = opt.progress
+    if hvd.rank() == 0:
+        tf.train.Checkpoint(model=model, optimizer=opt).write(
+            os.path.join(os.environ["HVD_SCALE_TEST_DIR"], "keras_resize"))
+    rest = steps_for_resize(model, opt, 4, 8, 1)
+    emit("save_for_resize", rest=rest, progress=opt.progress, gain=opt.gain, scale=opt.scale,
+         saved_progress=saved_progress)
+
+
+def case_resume_np1():
+    """np 1 x 2 passes (same S = 2) resumes the np 2 checkpoint and continues identically."""
+    model, opt = make_model(), resize_optimizer(2)
+    opt.build(model.trainable_variables)
+    # Partial: the accumulation variables are this job's own, not in a 1-pass checkpoint (the
+    # identical continuation below shows that weights, momentum and policy state came back).
+    tf.train.Checkpoint(model=model, optimizer=opt).read(
+        os.path.join(os.environ["HVD_SCALE_TEST_DIR"], "keras_resize")).expect_partial()
+    resumed_progress = opt.progress
+    rest = steps_for_resize(model, opt, 4, 8, 2)
+    emit("resume_np1", rest=rest, progress=opt.progress, gain=opt.gain, scale=opt.scale,
+         resumed_progress=resumed_progress)
+
+
 CASES = {
     "reference": lambda: (case_reference(1, True), case_reference(2, False)),
     "dtypes": case_dtypes,
@@ -399,12 +443,14 @@ CASES = {
     "loss_scale": case_loss_scale,
     "jit": case_jit,
     "bad_policy": case_bad_policy,
+    "save_for_resize": case_save_for_resize,
+    "resume_np1": case_resume_np1,  # single process, after save_for_resize
 }
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("cases", nargs="*", default=list(CASES))
+    parser.add_argument("cases", nargs="*", default=[c for c in CASES if c != "resume_np1"])
     args = parser.parse_args()
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
