@@ -1,7 +1,6 @@
 """Keras 3 adapter (TensorFlow backend): Horovod gradient averaging plus a learning-rate policy.
 
     import horovod.tensorflow as hvd
-from horovod.common.elastic import ObjectState
     import keras
     from hvd_scale.adapters.keras import BroadcastInitialState, DistributedOptimizer, ScalingMetrics
 
@@ -596,7 +595,7 @@ class ElasticState(ObjectState):
     """Horovod elastic state of a Keras 3 model and this optimizer, for ``hvd.elastic.run``.
 
         state = ElasticState(model, opt, epoch=0)   # extra keyword values are committed too
-        @hvd.elastic.run
+        @elastic_run
         def train(state): ...; state.commit()
 
     ``commit()`` copies every model variable and every optimizer variable (the inner optimizer's
