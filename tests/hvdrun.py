@@ -276,3 +276,32 @@ def worker_results(
             )
     return results
 
+
+
+def run_cases(worker: Path, np: int, timeout: float, test_dir: Path,
+              single: Sequence[str] = (), single_timeout: float = 180) -> dict[str, dict[int, dict]]:
+    """A case worker (tests/workers/*_adapter_worker.py): its default cases in one horovodrun job
+    of np ranks, then each case in `single` as one plain process (e.g. resuming the job's
+    checkpoint with another layout). Both see HVD_SCALE_TEST_DIR=test_dir. Every report carries
+    "case" and "rank"; returns {case: {rank: report}}."""
+    env = {"HVD_SCALE_TEST_DIR": str(test_dir)}
+    reports = worker_results(run_horovod([sys.executable, str(worker)], np=np, timeout=timeout,
+                                         env=env))
+    for case in single:
+        proc = subprocess.run([sys.executable, str(worker), case], capture_output=True, text=True,
+                              timeout=single_timeout, env=worker_env(env))
+        if proc.returncode != 0:
+            raise AssertionError(_describe(proc.args, f"case {case} exited {proc.returncode}",
+                                           proc.stdout, proc.stderr))
+        reports += worker_results(proc.stdout)
+    by_case: dict[str, dict[int, dict]] = {}
+    for r in reports:
+        by_case.setdefault(r["case"], {})[r["rank"]] = r
+    return by_case
+
+
+def per_rank(results: Mapping[str, Mapping[int, dict]], case: str, np: int) -> list[dict]:
+    """The reports of `case` from ranks 0..np-1, in rank order; every rank must have reported."""
+    ranks = results.get(case, {})
+    assert sorted(ranks) == list(range(np)), f"{case}: reports from ranks {sorted(ranks)}"
+    return [ranks[r] for r in range(np)]

@@ -1,12 +1,10 @@
 """The Keras adapter under real `horovodrun -np 2` (Gloo): one job runs every case, tests check it."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 
-from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_env, worker_results
+from hvdrun import WORKERS_DIR, per_rank, requires_horovod, run_cases
 
 pytestmark = [requires_horovod]
 NP = 2
@@ -15,25 +13,13 @@ LR = 0.05
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = {"HVD_SCALE_TEST_DIR": str(tmp_path_factory.mktemp("keras_adapter"))}
-    worker = str(WORKERS_DIR / "keras_adapter_worker.py")
-    proc = run_horovod([sys.executable, worker], np=NP, timeout=420, env=env)
-    by_case = {}
-    for r in worker_results(proc):
-        by_case.setdefault(r["case"], {})[r["rank"]] = r
-    # The checkpoint of the 2-worker run, resumed by one process with 2 backward passes.
-    single = subprocess.run([sys.executable, worker, "resume_np1"], capture_output=True, text=True,
-                            timeout=180, env=worker_env(env))
-    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
-    for r in worker_results(single.stdout):
-        by_case.setdefault(r["case"], {})[r["rank"]] = r
-    return by_case
+    # One horovodrun job runs every case; then one process resumes its checkpoint, 2 passes a step.
+    return run_cases(WORKERS_DIR / "keras_adapter_worker.py", NP, timeout=420,
+                     test_dir=tmp_path_factory.mktemp("keras_adapter"), single=["resume_np1"])
 
 
 def both_ranks(results, case):
-    ranks = results.get(case, {})
-    assert sorted(ranks) == list(range(NP)), f"{case}: reports from ranks {sorted(ranks)}"
-    return ranks[0], ranks[1]
+    return tuple(per_rank(results, case, NP))
 
 
 def close(a, b, rel=1e-9, abs_=1e-12):
