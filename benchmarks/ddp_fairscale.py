@@ -11,16 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_overhead import MODELS  # noqa: E402
+from torch_overhead import MODELS, time_interleaved  # noqa: E402
 
 
 def worker(rank: int, world: int, args, port: int, out):
@@ -40,22 +38,9 @@ def worker(rank: int, world: int, args, port: int, out):
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             if kind == "fairscale":
                 opt = AdaScale(opt)
-            variants[kind] = (model, opt, [])
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(args.batch, *shape, generator=g)
-        y = torch.randint(0, 10, (args.batch,), generator=g)
-        loss_fn = torch.nn.CrossEntropyLoss()
-        per_round = max(1, (args.steps + args.warmup) // args.rounds)
-        for _ in range(args.rounds):
-            for kind, (model, opt, times) in variants.items():
-                for _ in range(per_round):
-                    t0 = time.perf_counter()
-                    opt.zero_grad()
-                    loss_fn(model(x), y).backward()
-                    opt.step()
-                    times.append(time.perf_counter() - t0)
-        res = {k: {"median_ms": 1000 * statistics.median(t[args.warmup:]), "steps": len(t) - args.warmup}
-               for k, (_, _, t) in variants.items()}
+            variants[kind] = (model, opt)
+        res = time_interleaved(variants, shape, args.batch, rank, args.steps, args.warmup,
+                               args.rounds)
         res["fairscale"]["ratio_to_ddp"] = res["fairscale"]["median_ms"] / res["ddp"]["median_ms"]
         results[name] = res
     if rank == 0:

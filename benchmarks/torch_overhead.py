@@ -55,6 +55,29 @@ def make_variant(kind: str, model: torch.nn.Module):
     return DistributedOptimizer(base, named_parameters=model.named_parameters(), policy=kind)
 
 
+def time_interleaved(variants: dict, shape, batch: int, rank: int, steps: int, warmup: int,
+                     rounds: int) -> dict:
+    """Median step time (zero_grad, forward, backward, step) of each variant {kind: (model, opt)},
+    the variants taking turns for `rounds` rounds so that machine noise hits all of them alike.
+    Every rank's step ends in the same collectives, so one rank's times speak for the job."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, *shape, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    per_round = max(1, (steps + warmup) // rounds)
+    times = {kind: [] for kind in variants}
+    for _ in range(rounds):
+        for kind, (model, opt) in variants.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+                times[kind].append(time.perf_counter() - t0)
+    return {kind: {"median_ms": 1000 * statistics.median(t[warmup:]), "steps": len(t) - warmup}
+            for kind, t in times.items()}
+
+
 def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int,
         kinds=("plain", "none", "adascale")) -> dict:
     build, shape = MODELS[model_name]
@@ -62,28 +85,12 @@ def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int,
     for kind in kinds:
         torch.manual_seed(0)
         model = build()
-        variants[kind] = (model, make_variant(kind, model), [])
+        variants[kind] = (model, make_variant(kind, model))
     first = next(iter(variants.values()))[0]
     params = sum(p.numel() for p in first.parameters())
     tensors = sum(1 for _ in first.parameters())
-    g = torch.Generator().manual_seed(hvd.rank())
-    x = torch.randn(batch, *shape, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    per_round = max(1, (steps + warmup) // rounds)
-    for r in range(rounds):
-        for kind, (model, opt, times) in variants.items():
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                loss_fn(model(x), y).backward()
-                opt.step()
-                times.append(time.perf_counter() - t0)
-    out = {"model": model_name, "params": params, "tensors": tensors, "batch": batch}
-    for kind, (_, _, times) in variants.items():
-        measured = times[warmup:]
-        # Every rank's step ends in the same collectives, so rank 0's times speak for the job.
-        out[kind] = {"median_ms": 1000 * statistics.median(measured), "steps": len(measured)}
+    out = {"model": model_name, "params": params, "tensors": tensors, "batch": batch,
+           **time_interleaved(variants, shape, batch, hvd.rank(), steps, warmup, rounds)}
     for kind in kinds:
         if kind != "plain" and "plain" in out:
             out[kind]["ratio_to_plain"] = out[kind]["median_ms"] / out["plain"]["median_ms"]
