@@ -26,11 +26,16 @@ import math
 import os
 from typing import Any, Callable, ClassVar, Mapping
 
+import numpy as np
+
 from .estimate import GainEstimator, _check_keys, check_scale
+from .metrics import POLICY_METRICS
 
 POLICY_ENV = "HVD_SCALE_POLICY"
 DEFAULT_POLICY = "adascale"
-STATE_VERSION = 1
+# 2: the factor the latest step applied (``lr_factor``) is part of the state.
+STATE_VERSION = 2
+_STATE_KEYS = {"version", "policy", "steps", "progress", "skipped", "lr_factor", "estimator"}
 
 # Which optimizers a policy has theory for, by class name (torch.optim and keras.optimizers agree).
 SGD_FAMILY = frozenset({"SGD"})
@@ -209,6 +214,7 @@ class Policy:
         self.steps = 0
         self.progress = 0.0
         self.skipped = 0
+        self._applied: float | None = None  # the factor the latest step applied
 
     # What a subclass defines.
     def factor(self) -> float:
@@ -238,7 +244,7 @@ class Policy:
         elif self.uses_statistics and self.scale > 1:
             raise ValueError(f"policy {self.name!r} needs gradient statistics every step")
         before = self.progress
-        factor = self.factor()
+        factor = self._applied = self.factor()
         self.progress = before + self.advance()
         self.steps += 1
         return StepInfo(self.steps, factor, before, self.progress, self.gain)
@@ -286,33 +292,38 @@ class Policy:
 
     @property
     def lr_factor(self) -> float:
-        """The factor the next step would get with the statistics seen so far."""
-        return self.factor()
+        """The factor the latest step applied to the baseline lr (nan before any step);
+        ``factor()`` is the one the next step would get."""
+        return math.nan if self._applied is None else self._applied
 
     def metrics(self) -> dict[str, float]:
-        """One flat dict of floats for logs (Keras logs, CSV, TensorBoard)."""
+        """``hvd_scale.metrics.POLICY_METRICS`` as floats (Keras logs, CSV, TensorBoard).
+        ``lr_factor`` is the factor the latest step applied; ``factor()`` gives the next one."""
         est = self.estimator
-        return {"step": float(self.steps), "progress": self.progress, "scale": self.scale,
-                "gain": self.gain, "lr_factor": self.lr_factor, "sigma2": est.sigma2,
-                "mu2": est.mu2, "noise_scale": est.noise_scale, "efficiency": est.efficiency,
-                "skipped": float(self.skipped)}
+        values = {"step": float(self.steps), "progress": self.progress, "scale": self.scale,
+                  "gain": self.gain, "lr_factor": self.lr_factor, "sigma2": est.sigma2,
+                  "mu2": est.mu2, "noise_scale": est.noise_scale, "efficiency": est.efficiency,
+                  "skipped": float(self.skipped)}
+        return {k: values[k] for k in POLICY_METRICS}
 
     # Checkpoints.
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "policy": self.spec, "steps": self.steps,
-                "progress": self.progress, "skipped": self.skipped,
+                "progress": self.progress, "skipped": self.skipped, "lr_factor": self._applied,
                 "estimator": self.estimator.state_dict()}
 
     def load_state_dict(self, d: Mapping) -> None:
         """Restore steps, tau and estimates. The scale stays this job's own (resize on resume).
 
         The checkpoint must come from the same policy spec; nothing changes on any error.
+        Version 1 checkpoints (without ``lr_factor``) load as if no step had been applied yet.
         """
-        _check_keys("policy state", d, {"version", "policy", "steps", "progress", "skipped",
-                                        "estimator"})
+        if isinstance(d, Mapping) and d.get("version") == 1 and "lr_factor" not in d:
+            d = {**d, "version": STATE_VERSION, "lr_factor": None}
+        _check_keys("policy state", d, _STATE_KEYS)
         if d["version"] != STATE_VERSION:
             raise ValueError(f"policy state version {d['version']!r} is not supported "
-                             f"(expected {STATE_VERSION})")
+                             f"(expected {STATE_VERSION} or 1)")
         if parse_spec(d["policy"]) != parse_spec(self.spec):
             raise ValueError(f"checkpoint was saved by policy {d['policy']!r}, this job runs "
                              f"{self.spec!r}; build the policy from the same spec to resume")
@@ -325,8 +336,51 @@ class Policy:
                              f"this optimizer has {mine.size}")
         estimator.rescale(self.scale)
         steps, progress, skipped = int(d["steps"]), float(d["progress"]), int(d["skipped"])
+        applied = None if d["lr_factor"] is None else float(d["lr_factor"])
         self.estimator = estimator
-        self.steps, self.progress, self.skipped = steps, progress, skipped
+        self.steps, self.progress, self.skipped, self._applied = steps, progress, skipped, applied
+
+    # The same state as one float64 vector, for frameworks that keep it in a variable of their
+    # own (Keras: an optimizer variable that checkpoints and broadcasts carry). The layout is
+    # the engine's: an adapter stores, broadcasts and returns the vector without reading it.
+    #   [steps, progress, skipped, lr_factor, updates, bias_weight, sigma2_biased[G], mu2_biased[G]]
+    # (lr_factor nan: no step applied yet)
+    # Counts are exact in float64 up to 2**53. Spec, scale and smoothing are configuration.
+    PROGRESS_INDEX = 1  # tau, which a framework may read inside its graph (a schedule's step)
+    _HEAD = 6
+
+    @classmethod
+    def state_vector_size(cls, groups: int) -> int:
+        return cls._HEAD + 2 * groups
+
+    def state_vector(self, groups: int) -> np.ndarray:
+        """The state as ``state_vector_size(groups)`` floats (zeros for estimates not yet made)."""
+        est = self.estimator.state
+        if est.sigma2_biased is not None and est.sigma2_biased.size != groups:
+            raise ValueError(f"the state vector holds {groups} parameter group(s), the policy has "
+                             f"statistics for {est.sigma2_biased.size}")
+        zeros = np.zeros(groups)
+        return np.concatenate([
+            [self.steps, self.progress, self.skipped, self.lr_factor, est.updates, est.bias_weight],
+            zeros if est.sigma2_biased is None else est.sigma2_biased,
+            zeros if est.mu2_biased is None else est.mu2_biased]).astype(np.float64)
+
+    def load_state_vector(self, vector, groups: int) -> None:
+        """Restore what ``state_vector`` saved (this policy's spec, scale and smoothing stay)."""
+        v = np.asarray(vector, dtype=np.float64)
+        if v.shape != (self.state_vector_size(groups),):
+            raise ValueError(f"a policy state vector for {groups} parameter group(s) holds "
+                             f"{self.state_vector_size(groups)} values, got shape {v.shape}")
+        steps, progress, skipped, lr_factor, updates, bias_weight = v[:self._HEAD].tolist()
+        measured = updates > 0
+        sigma2, mu2 = v[self._HEAD:self._HEAD + groups], v[self._HEAD + groups:]
+        d = self.state_dict()
+        d.update(steps=int(steps), progress=progress, skipped=int(skipped),
+                 lr_factor=None if math.isnan(lr_factor) else lr_factor)
+        d["estimator"].update(updates=int(updates), bias_weight=bias_weight,
+                              sigma2_biased=sigma2.tolist() if measured else None,
+                              mu2_biased=mu2.tolist() if measured else None)
+        self.load_state_dict(d)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(spec={self.spec!r}, scale={self.scale:g}, " \
@@ -429,37 +483,6 @@ class AdaScaleAdam(AdaScale):
         if optimizer_family(optimizer) != "adam":
             raise ValueError(f"policy 'adascale_adam' is for {sorted(ADAM_FAMILY)}, got "
                              f"optimizer {optimizer!r}; for SGD use 'adascale'")
-
-
-class PolicyReadout:
-    """What both adapters' optimizers show of their ``self.policy`` (and their metrics logger,
-    ``self._logger``, None when off): read-only values for logs and stopping rules."""
-
-    policy: Policy
-    _logger: Any
-
-    gain = property(lambda self: self.policy.gain, doc="measured gain r in [1, S]")
-    lr_factor = property(lambda self: self.policy.lr_factor, doc="factor of the next step's lr")
-    progress = property(lambda self: self.policy.progress, doc="tau, in baseline steps")
-    scale = property(lambda self: self.policy.scale, doc="S")
-    sigma2 = property(lambda self: self.policy.estimator.sigma2, doc="smoothed sigma2")
-    mu2 = property(lambda self: self.policy.estimator.mu2, doc="smoothed mu2")
-    noise_scale = property(lambda self: self.policy.estimator.noise_scale, doc="sigma2 / mu2")
-    efficiency = property(lambda self: self.policy.estimator.efficiency, doc="gain / S")
-
-    def done(self, budget: float | None = None) -> bool:
-        """True once progress tau has reached the budget (baseline steps)."""
-        return self.policy.done(budget)
-
-    def log_loss(self, loss) -> None:
-        """Record the step's loss (float or tensor) in the metrics row of the next step."""
-        if self._logger is not None:
-            self._logger.set_loss(loss)
-
-    def close(self) -> None:
-        """Flush and close the metrics files."""
-        if self._logger is not None:
-            self._logger.close()
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -1,6 +1,6 @@
-"""The statistics that cross workers, and how they are summed.
+"""The statistics of one step: what crosses workers, how it is summed, what the host reads.
 
-Layout of the flat float64 vector each worker contributes (the contract between adapters):
+The local vector each worker contributes, summed over workers (the contract between adapters):
 
     [ s_0, s_1, ..., s_{G-1}, c ]
 
@@ -8,10 +8,15 @@ Layout of the flat float64 vector each worker contributes (the contract between 
     c    number of micro-gradients this worker produced (its backward passes in the step)
 
 Summed over workers it gives ``sqnorm_sum`` per group and n. |g_bar|^2 needs no reduction: every
-worker computes it from the averaged gradient that the gradient allreduce already produced.
+worker computes it from the averaged gradient that the gradient allreduce already produced, and
+appends it, so the step's statistics reach the host as one vector (one transfer):
 
-A reducer is anything with ``sum(vector) -> vector`` across workers. Adapters may instead pack the
-vector into their own (asynchronous) Horovod allreduce: the layout is what must agree.
+    [ s_0, ..., s_{G-1}, c, q_0, ..., q_{G-1} ]      q_j = |g_bar|^2 in group j
+
+A reducer is anything with ``sum(vector) -> vector`` across workers: ``LocalReducer`` (one
+process), ``MPIReducer`` (mpi4py: the engine alone, for a framework without an adapter). The
+adapters pack the local vector into their own (asynchronous) Horovod allreduce instead, so it is
+fused with the gradients; the layout is what must agree.
 """
 
 from __future__ import annotations
@@ -33,7 +38,33 @@ def unpack_summed(vector, num_groups: int) -> tuple[np.ndarray, int]:
     if vector.shape != (num_groups + 1,):
         raise ValueError(f"statistics vector must have {num_groups} group entries plus the count "
                          f"({num_groups + 1} values), got shape {vector.shape}")
-    return vector[:num_groups], int(round(vector[num_groups]))
+    count = vector[num_groups]
+    # A non-finite count cannot be rounded; the caller's finiteness check rejects the step.
+    return vector[:num_groups], int(round(count)) if np.isfinite(count) else 0
+
+
+def step_vector_size(num_groups: int) -> int:
+    return 2 * num_groups + 1
+
+
+def unpack_step(vector, num_groups: int, loss_scale: float | None = None
+                ) -> tuple[np.ndarray, int, np.ndarray]:
+    """(sqnorm_sum per group, n, mean_sqnorm per group) from the step's host vector.
+
+    ``loss_scale``: the gradients were those of loss x scale (mixed precision); squared norms
+    are divided by its square, the count stays.
+    """
+    vector = np.asarray(vector, dtype=np.float64)
+    if vector.shape != (step_vector_size(num_groups),):
+        raise ValueError(f"step statistics must hold {num_groups} sums, the count and "
+                         f"{num_groups} mean norms ({step_vector_size(num_groups)} values), "
+                         f"got shape {vector.shape}")
+    sqnorm_sum, n = unpack_summed(vector[:num_groups + 1], num_groups)
+    mean_sqnorm = vector[num_groups + 1:]
+    if loss_scale is not None:
+        inv = 1.0 / float(loss_scale) ** 2
+        sqnorm_sum, mean_sqnorm = sqnorm_sum * inv, mean_sqnorm * inv
+    return sqnorm_sum, n, mean_sqnorm
 
 
 class Reducer(Protocol):

@@ -1,0 +1,412 @@
+"""The Keras 3 optimizer: Horovod gradient averaging plus a learning-rate policy.
+
+Written once in ``keras.ops``; what differs between the TensorFlow and torch backends (Horovod's
+module, the allreduce, the host call) is in ``backends.py``, everything that is not a tensor
+operation in ``hvd_scale.adapters.core``. What this module does:
+
+* statistics: this worker's sum of squared micro-gradient norms and its micro-batch count
+  (``hvd_scale.reduce``'s layout) ride in the *same* grouped allreduce as the gradients, in their
+  dtype (float64 for a float64 model, else float32). The group uses op=Average, so the two come
+  back as their mean and are multiplied by the world size to give the sums (exact for the count;
+  one rounding for the norms). |g_bar|^2 is taken from the averaged gradient, so a step costs one
+  collective and one host call;
+* the engine runs on the host (``core.Scaling.step``; under TensorFlow through
+  ``tf.numpy_function``). Its state is the optimizer variable ``hvd_scale_state`` (the engine's
+  ``Policy.state_vector``), so ``model.save``, ``tf.train.Checkpoint`` and ``broadcast_state``
+  carry it, and the Python policy is a cache reloaded whenever the variable was changed behind
+  its back (a restore, a broadcast);
+* the step's lr is ``lr(floor(tau)) x factor``: the inner optimizer sees this value for the one
+  ``apply`` call and nothing is written to the user's lr variable or ``LearningRateSchedule``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+from keras import ops
+
+from hvd_scale.adapters.core import Readout, Scaling
+from hvd_scale.policies import Policy
+
+from . import backends
+
+ALLREDUCE_NAME = "hvd_scale.step"
+GROUPS = 1  # all trainable variables share one lr in Keras: one parameter group
+_PROGRESS = Policy.PROGRESS_INDEX
+
+# Base-optimizer arguments that belong on the inner optimizer (as in LossScaleOptimizer).
+_INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "clipvalue",
+               "use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
+               "gradient_accumulation_steps")
+
+# For adascale_adam: the Adam family's second-moment hyperparameters (its `_velocities` exist
+# once built).
+_ADAM_SLOTS = ("beta_2", "epsilon")
+
+
+def _lr_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """The optimizer that holds the lr and the update rule (below any LossScaleOptimizer)."""
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def _sqnorm(tensors: Sequence) -> Any:
+    """Sum of squares of all entries, float64 (each variable's sum in its own precision, or
+    float32 for half types)."""
+    total = ops.convert_to_tensor(0.0, "float64")
+    for t in tensors:
+        if keras.backend.standardize_dtype(t.dtype) not in ("float64", "float32"):
+            t = ops.cast(t, "float32")
+        total = total + ops.cast(ops.sum(ops.square(t)), "float64")
+    return total
+
+
+def _all_finite(tensors: Sequence) -> Any:
+    return ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors]))
+
+
+@keras.saving.register_keras_serializable(package="hvd_scale", name="DistributedOptimizer")
+class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
+    """Wrap any Keras 3 optimizer: Horovod gradient averaging plus an lr scaling policy.
+
+    Args:
+        inner_optimizer: the Keras optimizer to wrap (its lr, schedule and update rule are used).
+        policy: a spec string (``"adascale"``, ``"warmup:fraction=0.055"``, ...), a ``Policy``, or
+            None for ``$HVD_SCALE_POLICY``, else ``"adascale"``.
+        backward_passes_per_step: k ``apply`` calls (micro-batches) per optimizer step.
+        scale: S; default workers x k (micro-batch = baseline batch). Give it when the baseline
+            batch differs from a micro-batch: S = workers x k x micro_batch / baseline_batch.
+        budget: T in baseline steps, for ``done()`` and ``warmup:fraction=``.
+        measure: compute gradient statistics even when the policy does not need them (to log
+            sigma2, mu2, gain for fixed rules). Default: when the policy needs them or metrics
+            are logged.
+        log_dir: write per-step metrics there on rank 0 (CSV, TensorBoard, a progress bar), as
+            the torch adapter; default ``$HVD_SCALE_LOG_DIR`` (set by ``hvd-scale run
+            --log-dir``), else none. A run-time setting: not part of ``get_config``.
+        nonfinite: a step whose averaged gradient or statistics are not finite is skipped on
+            every rank ("skip") or raises FloatingPointError ("raise"), as in the torch adapter.
+        name: the optimizer's name.
+
+    Base-optimizer arguments (clipnorm, weight_decay, use_ema, ...) are set on the inner
+    optimizer, as for ``keras.optimizers.LossScaleOptimizer``.
+    """
+
+    def __init__(self, inner_optimizer: keras.optimizers.Optimizer, policy: str | Policy | None = None,
+                 backward_passes_per_step: int = 1, *, scale: float | None = None,
+                 budget: float | None = None, measure: bool | None = None,
+                 log_dir: str | None = None, nonfinite: str = "skip", name: str | None = None,
+                 **kwargs: Any):
+        backend = backends.current()
+        for arg in _INNER_ONLY:
+            if arg in kwargs:
+                raise ValueError(f"DistributedOptimizer does not support `{arg}`. Instead, set "
+                                 f"`{arg}` on the `inner_optimizer`.")
+        if kwargs:
+            raise ValueError(f"DistributedOptimizer does not support arguments: "
+                             f"`{'`, `'.join(kwargs)}`.")
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"inner_optimizer must be a keras.optimizers.Optimizer, got "
+                            f"{type(inner_optimizer).__name__}")
+        if isinstance(inner_optimizer, DistributedOptimizer):
+            raise TypeError("inner_optimizer is already distributed: wrap the plain optimizer once")
+        owner = _lr_owner(inner_optimizer)
+        if owner.gradient_accumulation_steps:
+            raise ValueError(f"the inner optimizer has gradient_accumulation_steps="
+                             f"{owner.gradient_accumulation_steps}, which would accumulate after "
+                             "the allreduce; use DistributedOptimizer(..., backward_passes_per_step="
+                             f"{owner.gradient_accumulation_steps}) instead")
+        optimizer_name = type(owner).__name__
+        scaling = Scaling(backend.hvd, policy=policy, passes=backward_passes_per_step, scale=scale,
+                          budget=budget, optimizer_name=optimizer_name,
+                          framework=f"keras/{backend.name}", groups=GROUPS, measure=measure,
+                          log_dir=log_dir, nonfinite=nonfinite)
+        if scaling.policy.statistics == "preconditioned" and \
+                not all(hasattr(owner, a) for a in _ADAM_SLOTS):
+            raise ValueError(f"policy {scaling.policy.name!r} measures Adam-preconditioned "
+                             f"gradients, but {optimizer_name} has no second moment (beta_2, epsilon)")
+
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self.backward_passes_per_step = backward_passes_per_step
+        self.optimizer_name = optimizer_name
+        self.scaling = scaling
+        self._backend = backend
+        self._config = {"scale": scale, "budget": budget, "measure": measure,
+                        "nonfinite": nonfinite}
+        self._mirror: np.ndarray | None = None  # the state vector the cached policy holds
+
+    # -- Keras optimizer protocol ----------------------------------------------------------------
+    def build(self, var_list):
+        self._mirror = self.scaling.policy.state_vector(GROUPS)
+        initial = self._mirror.copy()
+        self._state = self.add_variable(
+            shape=initial.shape, dtype="float64", aggregation="none", name="hvd_scale_state",
+            initializer=lambda shape, dtype=None: ops.convert_to_tensor(initial, "float64"))
+        self._accumulators = []
+        if self.backward_passes_per_step > 1:
+            self._micro_steps = self.add_variable(shape=(), dtype="int32", aggregation="none",
+                                                  name="hvd_scale_micro_steps")
+            self._local_sqnorm = self.add_variable(shape=(), dtype="float64", aggregation="none",
+                                                   name="hvd_scale_local_sqnorm")
+            self._accumulators = [self.add_variable_from_reference(v, name="hvd_scale_accumulator")
+                                  for v in var_list]
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    def apply(self, grads, trainable_variables=None):
+        """Accumulate, allreduce, let the policy account the step, apply it with lr x factor."""
+        self._backend.check_context()
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError("When passing `grads` without `variables`, the optimizer must "
+                                 "already be built: call `optimizer.build(trainable_variables)`.")
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(f"expected one gradient per variable ({len(trainable_variables)}), "
+                             f"got {len(grads)} gradients")
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        self._check_variables_are_known(trainable_variables)
+        # The None pattern is the model's, hence the same on every rank.
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        if not pairs:
+            raise ValueError("No gradients provided for any variable.")
+        grads = [ops.convert_to_tensor(g) for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        with keras.name_scope(self.name, caller=self):
+            if self.backward_passes_per_step == 1:
+                self._local_sums = self._sqnorm_of(grads, variables) if self.scaling.measure else None
+                self._local_count = 1.0
+                self._step(grads, variables)
+            else:
+                self._accumulate(grads, variables)
+
+    def _accumulate(self, grads, variables):
+        accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        for acc, g in zip(accumulators, grads):
+            acc.assign_add(ops.cast(g, acc.dtype))
+        if self.scaling.measure:
+            self._local_sqnorm.assign_add(self._sqnorm_of(grads, variables))
+        self._micro_steps.assign_add(1)
+
+        def step():
+            self._local_sums = ops.convert_to_tensor(self._local_sqnorm.value) \
+                if self.scaling.measure else None
+            self._local_count = ops.cast(self._micro_steps.value, "float64")
+            self._step([ops.convert_to_tensor(acc.value) for acc in accumulators], variables)
+            for acc in accumulators:
+                acc.assign(ops.zeros_like(acc.value))
+            self._local_sqnorm.assign(ops.convert_to_tensor(0.0, "float64"))
+            self._micro_steps.assign(0)
+
+        ops.cond(self._micro_steps.value >= self.backward_passes_per_step, step, lambda: None)
+
+    # -- the protocol's hooks (adapters/protocol.py) ----------------------------------------------
+    def local_statistics(self):
+        """[s, c]: this worker's summed squared micro-gradient norms and its micro-batch count."""
+        return ops.stack([self._local_sums, ops.cast(self._local_count, "float64")])
+
+    def start_statistics(self, local_grads):
+        """One grouped allreduce (op=Average) of the gradients and, when measured, [s, c] in their
+        dtype (so that it joins their group). Returns (mean gradients, [s, c] summed or None)."""
+        tensors = list(local_grads)
+        if self.scaling.measure:
+            float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
+            tensors.append(ops.cast(self.local_statistics(), "float64" if float64 else "float32"))
+        reduced = self._backend.allreduce_average(tensors, ALLREDUCE_NAME)
+        mean = reduced[:len(local_grads)]
+        if self.backward_passes_per_step > 1:  # the mean micro-gradient
+            mean = [g / ops.cast(self.backward_passes_per_step, g.dtype) for g in mean]
+        if not self.scaling.measure:
+            return mean, None
+        return mean, ops.cast(reduced[-1], "float64") * self._backend.world_size()
+
+    def mean_sqnorms(self, mean_grads, variables):
+        """[q]: |g_bar|^2 of the averaged (mean micro-) gradient."""
+        return ops.reshape(self._sqnorm_of(mean_grads, variables), (1,))
+
+    def apply_step(self, grads, variables, lr):
+        """inner.apply with the step's lr; the user's lr attribute is put back untouched."""
+        owner = _lr_owner(self.inner_optimizer)
+        saved = owner.__dict__["_learning_rate"]
+        # Bypass Keras's attribute tracking: the swap lasts for this call only.
+        object.__setattr__(owner, "_learning_rate", lr)
+        try:
+            self.inner_optimizer.apply(grads, variables)
+        finally:
+            object.__setattr__(owner, "_learning_rate", saved)
+
+    def _step(self, local_grads, variables):
+        """One optimizer step from this worker's summed micro-gradients and statistics."""
+        mean, summed = self.start_statistics(local_grads)
+        if summed is not None:
+            stats = ops.concatenate([summed, self.mean_sqnorms(mean, variables)])
+            finite = ops.convert_to_tensor(True)  # the host checks the statistics themselves
+        else:
+            stats = ops.zeros((3,), "float64")
+            finite = _all_finite(mean)
+        loss_scale = self._loss_scale()
+        loss_scale = ops.convert_to_tensor(1.0 if loss_scale is None else loss_scale, "float64")
+        base_lr = ops.cast(self._base_learning_rate(self._state.value[_PROGRESS]), "float64")
+        new_state, factor = self._backend.host_call(
+            self._host_step, [self._state.value, stats, finite, base_lr, loss_scale],
+            name="hvd_scale_policy_step")
+        new_state = ops.reshape(new_state, self._state.shape)
+        factor = ops.reshape(factor, ())
+        self._state.assign(new_state)
+        lr = base_lr * factor
+        if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            # It checks finiteness itself (same averaged gradient on every rank) and must see an
+            # overflow to lower its scale; a skipped step reaches it with lr 0.
+            self.apply_step(mean, variables, lr)
+        else:
+            ops.cond(factor > 0, lambda: self.apply_step(mean, variables, lr), lambda: None)
+
+    def _host_step(self, state, stats, finite, base_lr, loss_scale):
+        """The engine's step, on the host: (new state vector, lr factor; 0 for a skipped step)."""
+        self._load_vector(state)
+        factor = self.scaling.step(stats if self.scaling.measure else None, base_lr=float(base_lr),
+                                   finite=bool(finite), loss_scale=float(loss_scale))
+        self._mirror = self.scaling.policy.state_vector(GROUPS)
+        return self._mirror.copy(), np.float64(factor)
+
+    def _base_learning_rate(self, progress):
+        """The user's lr for the step at progress tau: a schedule runs at floor(tau)."""
+        lr = _lr_owner(self.inner_optimizer)._learning_rate
+        if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+            return lr(ops.cast(ops.floor(progress), "int64"))
+        if isinstance(lr, keras.Variable):
+            return lr.value
+        if callable(lr):
+            return lr()
+        return lr
+
+    # -- statistics ------------------------------------------------------------------------------
+    def _loss_scale(self):
+        inner = self.inner_optimizer
+        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            return inner.dynamic_scale.value
+        return inner.loss_scale_factor
+
+    def _sqnorm_of(self, grads, variables):
+        return _sqnorm(self._precondition(grads, variables))
+
+    def _precondition(self, grads, variables):
+        """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
+        if self.scaling.policy.statistics != "preconditioned":
+            return grads
+        owner = _lr_owner(self.inner_optimizer)
+        t = ops.cast(owner.iterations, "float32")
+        bias_correction2 = 1.0 - ops.power(ops.cast(owner.beta_2, "float32"), t)
+        velocities = getattr(owner, "_velocities", None)
+        if velocities is None:
+            raise ValueError(f"policy {self.scaling.policy.name!r} needs the second moment of "
+                             f"{type(owner).__name__}, which keeps no `_velocities`")
+        out = []
+        for g, v in zip(grads, variables):
+            velocity = velocities[owner._get_variable_index(v)]
+            if velocity is None:
+                out.append(g)
+                continue
+            v_hat = velocity.value / ops.cast(ops.maximum(bias_correction2, 1e-30), velocity.dtype)
+            denom = ops.cast(ops.sqrt(v_hat) + ops.cast(owner.epsilon, velocity.dtype), g.dtype)
+            # First step: no second moment yet, the plain gradient (as the torch adapter).
+            out.append(ops.where(t > 0, g / denom, g))
+        return out
+
+    # -- the engine's state in a variable -----------------------------------------------------------
+    def _load_vector(self, vector) -> None:
+        """Reload the cached policy from the state variable's value when it changed elsewhere."""
+        vector = np.asarray(vector, dtype=np.float64)
+        if self._mirror is not None and vector.tobytes() == self._mirror.tobytes():
+            return
+        self.scaling.policy.load_state_vector(vector, GROUPS)
+        self._mirror = vector.copy()
+
+    @property
+    def policy(self) -> Policy:
+        """The engine's policy, synchronized with ``hvd_scale_state`` (read it eagerly)."""
+        if self.built and self._backend.eager():
+            self._load_vector(ops.convert_to_numpy(self._state.value))
+        return self.scaling.policy
+
+    # -- forwarded to the inner optimizer ---------------------------------------------------------
+    @property
+    def learning_rate(self):
+        """The user's baseline lr: the variable, or a schedule's value at floor(tau)."""
+        lr = _lr_owner(self.inner_optimizer)._learning_rate
+        if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+            progress = self._state.value[_PROGRESS] if self.built else \
+                ops.convert_to_tensor(0.0, "float64")
+            return self._base_learning_rate(progress)
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        """Optimizer steps applied (skipped steps and accumulation calls excluded)."""
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise ValueError("DistributedOptimizer is stateful: use apply()")
+
+    def get_config(self):
+        # Constructor arguments only; the policy as its resolved spec (not $HVD_SCALE_POLICY).
+        return {"name": self.name,
+                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                "policy": self.scaling.policy.spec,
+                "backward_passes_per_step": self.backward_passes_per_step,
+                **self._config}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
+                                                      custom_objects=custom_objects)
+        return cls(inner, **config)
+
+    def __repr__(self) -> str:
+        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.scaling.policy!r})"
+
+
+def broadcast_state(model, optimizer=None, root_rank: int = 0) -> None:
+    """Broadcast the model's variables and the optimizer's (inner state and the policy's
+    ``hvd_scale_state`` included) from root_rank. Builds the optimizer if needed; the model
+    must be built."""
+    optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
+    if optimizer is None:
+        variables = list(model.variables)
+        if not variables:
+            raise ValueError("the model has no variables yet: build it (call it on a batch) first")
+    else:
+        variables = model_and_optimizer_variables(model, optimizer)
+    backends.current().broadcast_variables(variables, root_rank)
+
+
+def model_and_optimizer_variables(model, optimizer) -> list:
+    if not model.variables:
+        raise ValueError("the model has no variables yet: build it (call it on a batch) first")
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    return list(model.variables) + list(optimizer.variables)

@@ -1,0 +1,118 @@
+"""Engine state as data (a dict and a flat vector) and the one list of metric names.
+
+Pure engine tests: numpy and hypothesis only (no torch, TensorFlow or Horovod).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hvd_scale import make_policy
+from hvd_scale.metrics import (LOGS_METRICS, METRICS, POLICY_METRICS, STEP_METRICS, MetricsLogger,
+                               check_names)
+from hvd_scale.policies import Policy
+from hvd_scale.reduce import step_vector_size, unpack_step
+from test_policies import ALL_SPECS, SETTINGS, build, policy_state_equal, stats
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+@SETTINGS
+@given(scale=st.sampled_from([1.0, 2.0, 6.0, 64.0]), groups=st.integers(1, 3), data=st.data(),
+       past=st.integers(0, 5))
+def test_state_vector_round_trip_gives_identical_future(spec, scale, groups, data, past):
+    policy = build(spec, scale)
+    for _ in range(past):
+        policy.step(*data.draw(stats(groups)))
+    vector = policy.state_vector(groups)
+    assert vector.dtype == np.float64 and vector.shape == (Policy.state_vector_size(groups),)
+    assert vector[Policy.PROGRESS_INDEX] == policy.progress
+    twin = build(spec, scale)
+    twin.load_state_vector(vector.copy(), groups)
+    policy_state_equal(twin, policy)
+    for _ in range(3):
+        s, q, n = data.draw(stats(groups))
+        assert twin.step(s, q, n) == policy.step(s, q, n)
+        policy_state_equal(twin, policy)
+
+
+def test_state_vector_of_the_wrong_size_changes_nothing():
+    policy = build("adascale", 4.0)
+    policy.step([8.0], [1.25], 4)
+    before = policy.state_dict()
+    with pytest.raises(ValueError, match=r"1 parameter group.*got shape \(9,\)"):
+        policy.load_state_vector(np.zeros(9), 1)
+    with pytest.raises(ValueError, match="2 parameter group"):
+        policy.state_vector(2)
+    assert policy.state_dict() == before
+
+
+def test_version_1_checkpoint_still_loads():
+    policy = build("adascale", 4.0)
+    policy.step([8.0], [1.25], 4)
+    old = policy.state_dict()
+    old.pop("lr_factor")
+    old["version"] = 1
+    twin = build("adascale", 4.0)
+    twin.load_state_dict(json.loads(json.dumps(old)))
+    assert twin.progress == policy.progress and twin.gain == policy.gain
+    assert math.isnan(twin.lr_factor)  # nothing recorded of the latest step's factor
+    assert twin.step([8.0], [1.25], 4) == policy.step([8.0], [1.25], 4)
+
+
+def test_lr_factor_is_the_applied_one_everywhere():
+    # warmup changes its factor every step: the applied one and the next one differ.
+    policy = make_policy("warmup:steps=4", scale=5)
+    assert math.isnan(policy.lr_factor) and policy.factor() == 1.0
+    info = policy.step()
+    assert policy.lr_factor == info.lr_factor == 1.0 == policy.metrics()["lr_factor"]
+    assert policy.factor() == 2.0  # what the next step will get
+    info = policy.step()
+    assert policy.metrics()["lr_factor"] == info.lr_factor == 2.0
+
+
+def test_every_metric_has_one_name_list():
+    assert tuple(make_policy("adascale", scale=4).metrics()) == POLICY_METRICS
+    assert set(STEP_METRICS) <= set(METRICS) and set(LOGS_METRICS) <= set(STEP_METRICS)
+    check_names(STEP_METRICS)
+    with pytest.raises(ValueError, match=r"unknown metric name\(s\) \['gian'\]"):
+        check_names(["gain", "gian"])
+
+
+def test_logger_refuses_an_unknown_key_and_writes_every_column(tmp_path):
+    logger = MetricsLogger(tmp_path, rank=0, budget=None, progress_bar=False)
+    with pytest.raises(ValueError, match="'typo'"):
+        logger.log({"step": 1.0, "typo": 2.0})
+    logger.log({"step": 1.0, "gain": 1.5, "lr_factor": 1.5, "lr": 0.15})
+    logger.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == list(METRICS) and len(rows) == 1
+    assert float(rows[0]["lr"]) == 0.15 and rows[0]["sigma2"] == "nan"
+    assert any((tmp_path / "tb").iterdir())
+
+
+def test_logger_on_other_ranks_checks_names_too(tmp_path):
+    logger = MetricsLogger(tmp_path / "r1", rank=1)
+    with pytest.raises(ValueError, match="'typo'"):
+        logger.log({"typo": 1.0})
+    assert not (tmp_path / "r1").exists()
+
+
+def test_step_vector_layout_and_unscaling():
+    groups = 2
+    vector = np.array([8.0, 4.0, 4.0, 1.0, 0.5])  # s_0, s_1, c, q_0, q_1
+    assert vector.size == step_vector_size(groups)
+    s, n, q = unpack_step(vector, groups)
+    assert s.tolist() == [8.0, 4.0] and n == 4 and q.tolist() == [1.0, 0.5]
+    s, n, q = unpack_step(vector * np.array([4, 4, 1, 4, 4]), groups, loss_scale=2.0)
+    assert s.tolist() == [8.0, 4.0] and n == 4 and q.tolist() == [1.0, 0.5]
+    with pytest.raises(ValueError, match="5 values"):
+        unpack_step(vector[:4], groups)
