@@ -30,46 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Any
 
 import horovod.torch as hvd
 import torch
 
-from hvd_scale.launch import metrics as metrics_log
-from hvd_scale.policies import (Policy, PolicyReadout, agree_across_ranks, make_policy,
-                                resolve_policy)
-from hvd_scale.reduce import unpack_summed
+from hvd_scale.adapters.core import Readout, Scaling
+from hvd_scale.policies import Policy
 
 STATS_NAME = "hvd_scale.stats"
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _build_policy(policy: str | Policy | None, scale: float | None, budget: float | None,
-                  optimizer: torch.optim.Optimizer, passes: int) -> Policy:
-    for i, group in enumerate(optimizer.param_groups):
-        lr = group.get("lr")
-        if not isinstance(lr, (int, float)) or not lr > 0:
-            raise ValueError(f"param_groups[{i}] has lr={lr!r}: the baseline learning rate must be "
-                             "a number > 0 (the policy multiplies it)")
-    micro_gradients = hvd.size() * passes
-    return resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
-                          budget=budget, optimizer=type(optimizer).__name__,
-                          micro_gradients=micro_gradients)
-
-
-def _agreed_policy(policy, scale, budget, optimizer, passes) -> Policy:
-    # Not under Horovod elastic: a worker that joins a running job builds its optimizer while the
-    # others train, so a collective here would wait forever. There the policy state (with its
-    # spec, checked on load) comes from rank 0 at every sync instead.
-    elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
-    allgather = None if hvd.size() == 1 or elastic else \
-        (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
-    return agree_across_ranks(lambda: _build_policy(policy, scale, budget, optimizer, passes),
-                              allgather)
-
-
-class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
+class DistributedOptimizer(Readout, torch.optim.Optimizer):
     """Wrap any torch optimizer: Horovod gradient averaging plus an lr scaling policy.
 
     Args:
@@ -102,27 +75,20 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
             raise TypeError("optimizer is already distributed: wrap the plain torch optimizer once")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
-                             f"{backward_passes_per_step!r}")
-        if nonfinite not in ("skip", "raise"):
-            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+        op = horovod_options.get("op", hvd.Average)
+        self.scaling = Scaling(hvd, policy=policy, passes=backward_passes_per_step, scale=scale,
+                               budget=budget, optimizer_name=type(optimizer).__name__,
+                               framework="torch", groups=len(optimizer.param_groups),
+                               base_lrs=[g.get("lr") for g in optimizer.param_groups],
+                               measure=measure, log_dir=log_dir, nonfinite=nonfinite)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
-        self._nonfinite = nonfinite
-        self.policy = _agreed_policy(policy, scale, budget, optimizer, backward_passes_per_step)
-        op = horovod_options.get("op", hvd.Average)
-        log_dir = log_dir or os.environ.get(metrics_log.LOG_DIR_ENV) or None
-        # Decided alike on every rank (the statistics allreduce must run on all of them).
-        if measure is None:
-            measure = self.policy.uses_statistics or log_dir is not None
-        self._measure = bool(measure)
+        self._measure = self.scaling.measure
         if self._measure and op not in (hvd.Average, hvd.Sum):
             raise ValueError(f"policy {self.policy.name!r} measures the averaged gradient, which "
                              f"op={op!r} (Adasum) does not produce: use op=hvd.Average, or a "
                              "fixed policy (none, linear, sqrt, warmup) with measure=False")
         self._op = op
-        self._world_size = hvd.size()
         self._grad_scaler = grad_scaler
 
         self._hvd_opt = hvd.DistributedOptimizer(
@@ -144,17 +110,17 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         self._end_queued = False   # an end-of-backward callback is queued
         self._synchronized = False
         self._skip_sync = False
-        self._logger = None if log_dir is None else metrics_log.MetricsLogger(
-            log_dir, rank=hvd.rank(), budget=self.policy.budget,
-            run_info={"policy": self.policy.spec, "scale": self.policy.scale, "workers": hvd.size(),
-                      "backward_passes_per_step": backward_passes_per_step,
-                      "optimizer": self.optimizer_name, "framework": "torch"})
         self._hooks = []
         if self._measure:
             for gi, group in enumerate(self.param_groups):
                 for p in group["params"]:
                     if p.requires_grad:
                         self._hooks.append(p.register_hook(self._make_norm_hook(gi, p)))
+
+    @property
+    def policy(self) -> Policy:
+        """The engine's policy (steps, tau, estimates)."""
+        return self.scaling.policy
 
     # -- statistics -----------------------------------------------------------------------------
     def _make_norm_hook(self, group_index: int, p: torch.Tensor):
@@ -170,7 +136,7 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
                 # The step's last gradient: this hook runs before Horovod's hook enqueues its
                 # allreduce, so the statistics are in Horovod's queue no later than the last
                 # gradient and never wait a cycle for themselves.
-                self._stats_handle = self._start_stats_allreduce()
+                self._stats_handle = self.start_statistics()
             if not self._end_queued:
                 self._end_queued = True
                 # Runs when this backward pass ends (DDP uses the same engine callback).
@@ -185,12 +151,13 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         if self._last_pass():
             # Some parameters got no gradient in this pass: send the statistics now, right
             # after Horovod's hooks enqueued the last gradient.
-            self._stats_handle = self._start_stats_allreduce()
+            self._stats_handle = self.start_statistics()
         self._passes += 1
         self._hooks_seen = 0
 
-    def _start_stats_allreduce(self):
-        return hvd.allreduce_async_(self._local_sums(), op=hvd.Sum, name=STATS_NAME)
+    def start_statistics(self):
+        """[s..., c] summed over workers, asynchronously (fused with the gradient traffic)."""
+        return hvd.allreduce_async_(self.local_statistics(), op=hvd.Sum, name=STATS_NAME)
 
     def _norm(self, g: torch.Tensor) -> torch.Tensor:
         """|g| as a 0-d tensor of the statistics' dtype. Half precision is widened inside the
@@ -208,12 +175,12 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         denom = (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"])
         return torch.div(grad, denom, out=denom)  # in denom's buffer: one temporary, not two
 
-    def _local_sums(self) -> torch.Tensor:
+    def local_statistics(self) -> torch.Tensor:
         """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), in the gradients' dtype
         (float32 for float32/16 models) so that Horovod fuses it with the gradient traffic."""
         dt = self._stats_dtype
         # In units of the gradient the optimizer applies: Horovod sums the k passes, so the
-        # micro-gradient that averages to p.grad is k g_j (see _mean_sqnorms).
+        # micro-gradient that averages to p.grad is k g_j (see mean_sqnorms).
         k2 = float(self.backward_passes_per_step) ** 2
         sums = [torch.stack(norms).square().sum() * k2 if norms else torch.zeros((), dtype=dt)
                 for norms in self._norms]
@@ -222,7 +189,7 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         count = torch.tensor(float(self.backward_passes_per_step), dtype=dt)
         return torch.stack(sums + [count])
 
-    def _mean_sqnorms(self) -> torch.Tensor:
+    def mean_sqnorms(self) -> torch.Tensor:
         """|g_bar|^2 per group from the averaged gradients in p.grad.
 
         Statistics are kept in units of the gradient the optimizer applies: Horovod leaves in
@@ -254,24 +221,16 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``."""
         if self._pending is not None:
             # The previous step's statistics were never used: its step was skipped (AMP overflow).
-            self.policy.skip()
+            self.scaling.skip()
             self._pending = None
         handle, self._stats_handle, self._passes, self._hooks_seen = self._stats_handle, None, 0, 0
         if self._measure and handle is None:
             # Fewer backward passes than announced: send the statistics now.
-            handle = self._start_stats_allreduce()
+            handle = self.start_statistics()
         self._hvd_opt.synchronize()
         if handle is not None:
-            summed = hvd.synchronize(handle)
-            stats = torch.cat([summed, self._mean_sqnorms()])
-            if self._grad_scaler is not None and self._grad_scaler.is_enabled():
-                # Both the local sums and |g_bar|^2 were taken on scaled gradients: unscale
-                # them (squared norms: by the scale squared); the count stays.
-                inv = 1.0 / self._grad_scaler.get_scale() ** 2
-                groups = len(self.param_groups)
-                stats[:groups] *= inv
-                stats[groups + 1:] *= inv
-            self._pending = stats
+            # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
+            self._pending = torch.cat([hvd.synchronize(handle), self.mean_sqnorms()])
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -294,41 +253,27 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
         self._synchronized = False
-        self._follow_world_size()
         stats, self._pending = self._pending, None
-        if stats is not None:
-            values = stats.tolist()  # the step's one host transfer
-            groups = len(self.param_groups)
-            sqnorm_sum, n = unpack_summed(values[:groups + 1], groups)
-            mean_sqnorm = values[groups + 1:]
-            if not all(math.isfinite(v) for v in values):
-                if self._nonfinite == "raise":
-                    raise FloatingPointError(f"non-finite gradients at step {self.policy.steps + 1} "
-                                             "(pass nonfinite='skip' to skip such steps)")
-                self.policy.skip()
-                return None
-            info = self.policy.step(sqnorm_sum, mean_sqnorm, n)
-        else:
-            info = self.policy.step()
+        scaler = self._grad_scaler
+        loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        factor = self.scaling.step(None if stats is None else stats.tolist(),  # one host transfer
+                                   base_lr=self.param_groups[0]["lr"], loss_scale=loss_scale)
+        if factor == 0.0:
+            return None  # skipped: nothing applied
+        return self.apply_step(factor, closure)
+
+    def apply_step(self, lr_factor: float, closure=None):
+        """The inner step with every group's lr x lr_factor; the user's lrs are put back after, so
+        torch lr schedulers keep working on the baseline lr."""
         saved = [group["lr"] for group in self.param_groups]
         try:
             for group, lr in zip(self.param_groups, saved):
-                group["lr"] = lr * info.lr_factor
+                group["lr"] = lr * lr_factor
             with self._hvd_opt.skip_synchronize():
                 return self._hvd_opt.step(closure)
         finally:
             for group, lr in zip(self.param_groups, saved):
                 group["lr"] = lr
-            if self._logger is not None:
-                self._logger.log({**self.policy.metrics(), "lr_factor": info.lr_factor,
-                                  "lr": saved[0] * info.lr_factor})
-
-    def _follow_world_size(self) -> None:
-        """Horovod elastic changed the number of workers: S changes in proportion (so a scale
-        given for a baseline batch stays consistent); AdaScale keeps its estimates and tau."""
-        size = hvd.size()
-        self.policy.follow_workers(self._world_size, size)
-        self._world_size = size
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.
@@ -351,27 +296,17 @@ class DistributedOptimizer(PolicyReadout, torch.optim.Optimizer):
         if len(inner_groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(inner_groups)} parameter group(s), this "
                              f"optimizer has {len(self.param_groups)}")
-        policy = make_policy(self.policy.spec, scale=self.policy.scale, budget=self.policy.budget)
-        policy.load_state_dict(state_dict["hvd_scale"])
+        policy = self.scaling.loaded_policy(state_dict["hvd_scale"])
         self._hvd_opt.load_state_dict(state_dict["inner"])
         # torch's load_state_dict builds new group dicts and a new state: share them again.
         self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
-        self.policy = policy
+        self.scaling.policy = policy
         self._pending, self._synchronized, self._passes, self._hooks_seen = None, False, 0, 0
         if self._stats_handle is not None:  # a step's statistics in flight: finish, then drop them
             hvd.synchronize(self._stats_handle)
             self._stats_handle = None
         for norms in self._norms:
             norms.clear()
-
-    # -- what can be read -----------------------------------------------------------------------
-    def rescale(self, scale: float | None = None) -> None:
-        """New S after a resize: default hvd.size() x backward passes."""
-        self.policy.rescale(float(hvd.size() * self.backward_passes_per_step) if scale is None else scale)
-
-    def metrics(self) -> dict[str, float]:
-        return self.policy.metrics()
-
 
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"
@@ -413,8 +348,7 @@ def broadcast_state(model: torch.nn.Module, optimizer: DistributedOptimizer, roo
     """Broadcast the model, the optimizer state and the policy's state from root_rank."""
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
     hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
-    policy_state = hvd.broadcast_object(optimizer.policy.state_dict(), root_rank=root_rank)
-    optimizer.policy.load_state_dict(policy_state)
+    optimizer.scaling.broadcast(root_rank)
 
 
 # -- Horovod elastic ----------------------------------------------------------------------------
@@ -423,14 +357,14 @@ def _elastic_handler():
     """A ``hvd.elastic.TorchState`` handler for this optimizer, registered ahead of Horovod's own
     (whose broadcast expects a flat torch state_dict): commit/restore the nested state, and on a
     sync broadcast it from rank 0. S follows the new world size at the next step (see
-    ``_follow_world_size``), also after a reset that skips the sync (workers only removed)."""
+    ``Scaling.follow_world_size``), also after a reset that skips the sync (workers only removed)."""
     from horovod.torch.elastic import state as elastic_state
 
     class ScaledOptimizerStateHandler(elastic_state.OptimizerStateHandler):
         def sync(self):
             opt = self.value
             hvd.broadcast_optimizer_state(opt._hvd_opt, root_rank=0)
-            opt.policy.load_state_dict(hvd.broadcast_object(opt.policy.state_dict(), root_rank=0))
+            opt.scaling.broadcast(0)
 
     registry = elastic_state.get_handler_registry()
     if not any(cls is DistributedOptimizer for cls, _ in registry):

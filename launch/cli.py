@@ -1,5 +1,5 @@
-"""``hvd-scale``: run a training script under horovodrun with a policy, list policies, check the
-environment, plot runs.
+"""``hvd-scale``: run a training script under horovodrun with a policy, list the policies, check
+the environment and plot runs.
 
     hvd-scale run -np 2 --policy adascale --log-dir runs/ada -- python train.py --budget 3000
     hvd-scale policies
@@ -19,9 +19,11 @@ import subprocess
 import sys
 from typing import Sequence
 
-from hvd_scale.launch.metrics import LOG_DIR_ENV
+from hvd_scale.metrics import LOG_DIR_ENV
 from hvd_scale.policies import POLICY_ENV, describe_policies, parse_spec
 
+DESCRIPTION = ("Run a training script under horovodrun with a learning-rate scaling policy, list "
+               "the policies, check the environment, and plot runs.")
 SETUP_HINT = "run `make setup` (or `bash launch/setup_env.sh`) in the hvd_scale repository"
 
 # Defaults for CPU jobs, each only when the user has not set it (benchmarks/results/overhead.md):
@@ -130,27 +132,40 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hvd-scale", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hvd-scale", description=DESCRIPTION,
+        epilog="Example: hvd-scale run -np 2 --policy adascale --log-dir runs/ada -- "
+               "python train.py. See `hvd-scale COMMAND --help` for each command.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run COMMAND under horovodrun with a policy",
+    run = sub.add_parser("run", help="Run COMMAND under horovodrun with a policy.",
+                         description="Run COMMAND on every worker under horovodrun, with the "
+                                     "policy and log directory handed to the adapters.",
                          usage="hvd-scale run [-np N] [-H HOSTS] [--gloo|--mpi] [--policy SPEC] "
                                "[--log-dir DIR] [horovodrun options] -- COMMAND...")
-    run.add_argument("-np", "--num-proc", dest="np", type=int, default=1, help="worker processes")
-    run.add_argument("-H", "--hosts", default=None, help="horovodrun hosts (default localhost:N)")
+    run.add_argument("-np", "--num-proc", dest="np", type=int, default=1,
+                     help="Worker processes (default 1).")
+    run.add_argument("-H", "--hosts", default=None,
+                     help="Hosts as horovodrun takes them (default localhost:N).")
     group = run.add_mutually_exclusive_group()
-    group.add_argument("--gloo", dest="controller", action="store_const", const="gloo")
-    group.add_argument("--mpi", dest="controller", action="store_const", const="mpi")
-    run.add_argument("--policy", default=None, help="policy spec, e.g. adascale, warmup:fraction=0.055")
-    run.add_argument("--log-dir", default=None, help="per-step metrics (rank 0): CSV + TensorBoard")
+    group.add_argument("--gloo", dest="controller", action="store_const", const="gloo",
+                       help="Use Gloo as the controller.")
+    group.add_argument("--mpi", dest="controller", action="store_const", const="mpi",
+                       help="Use MPI as the controller.")
+    run.add_argument("--policy", default=None,
+                     help="The policy spec, for example adascale or warmup:fraction=0.055.")
+    run.add_argument("--log-dir", default=None,
+                     help="Where rank 0 writes per-step metrics (CSV and TensorBoard).")
 
-    sub.add_parser("policies", help="list the policies and their options")
-    sub.add_parser("check", help="Horovod build, frameworks, slots")
+    sub.add_parser("policies", help="List the policies and their options.")
+    sub.add_parser("check", help="Show Horovod's build, the frameworks and the slots.")
 
-    plot = sub.add_parser("plot", help="plot runs' gain, lr, tau and loss")
-    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    plot.add_argument("-o", "--output", required=True, metavar="FILE.png")
-    plot.add_argument("--metric", default="loss", help="column to plot against tau (default loss)")
+    plot = sub.add_parser("plot", help="Plot runs' gain, lr, tau and loss.")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                      help="Directories written with --log-dir.")
+    plot.add_argument("-o", "--output", required=True, metavar="FILE.png",
+                      help="The picture to write.")
+    plot.add_argument("--metric", default="loss", help="The column to plot against tau (default loss).")
     return parser
 
 

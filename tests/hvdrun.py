@@ -279,14 +279,15 @@ def worker_results(
 
 
 def run_cases(worker: Path, np: int, timeout: float, test_dir: Path,
-              single: Sequence[str] = (), single_timeout: float = 180) -> dict[str, dict[int, dict]]:
-    """A case worker (tests/workers/*_adapter_worker.py): its default cases in one horovodrun job
-    of np ranks, then each case in `single` as one plain process (e.g. resuming the job's
-    checkpoint with another layout). Both see HVD_SCALE_TEST_DIR=test_dir. Every report carries
-    "case" and "rank"; returns {case: {rank: report}}."""
-    env = {"HVD_SCALE_TEST_DIR": str(test_dir)}
-    reports = worker_results(run_horovod([sys.executable, str(worker)], np=np, timeout=timeout,
-                                         env=env))
+              single: Sequence[str] = (), single_timeout: float = 180, cases: Sequence[str] = (),
+              env: Mapping[str, str] | None = None) -> dict[str, dict[int, dict]]:
+    """A case worker (tests/workers/*_adapter_worker.py): its `cases` (default: its default
+    cases) in one horovodrun job of np ranks, then each case in `single` as one plain process
+    (e.g. resuming the job's checkpoint with another layout). Both see HVD_SCALE_TEST_DIR=test_dir
+    and `env`. Every report carries "case" and "rank"; returns {case: {rank: report}}."""
+    env = {**(env or {}), "HVD_SCALE_TEST_DIR": str(test_dir)}
+    reports = worker_results(run_horovod([sys.executable, str(worker), *cases], np=np,
+                                         timeout=timeout, env=env))
     for case in single:
         proc = subprocess.run([sys.executable, str(worker), case], capture_output=True, text=True,
                               timeout=single_timeout, env=worker_env(env))

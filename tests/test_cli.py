@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hvd_scale.launch import cli
-from hvd_scale.launch.metrics import COLUMNS
+from hvd_scale.metrics import METRICS
 from hvdrun import REPO_ROOT, requires_horovod, worker_env
 
 HVD_SCALE = Path(sys.executable).parent / "hvd-scale"
@@ -77,7 +77,7 @@ def test_run_end_to_end_writes_metrics_and_plot(tmp_path):
     with open(log_dir / "metrics.csv", newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-    assert reader.fieldnames == COLUMNS
+    assert reader.fieldnames == list(METRICS)
     # linear at S = 2: tau advances by 2 a step, so budget / 2 steps, one row each.
     assert len(rows) == math.ceil(budget / np_)
     assert [float(r["lr_factor"]) for r in rows] == [2.0] * len(rows)
@@ -118,3 +118,20 @@ def test_run_hands_policy_log_dir_and_cpu_defaults_to_horovodrun(monkeypatch, tm
     env = seen["env"]
     assert env["HVD_SCALE_POLICY"] == "sqrt" and env["HVD_SCALE_LOG_DIR"] == str(tmp_path / "l")
     assert env["OMP_NUM_THREADS"] == "1" and env["HOROVOD_CYCLE_TIME"] == "0.5"
+
+
+def test_help_reads_as_whole_sentences(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert cli.DESCRIPTION in out and cli.DESCRIPTION.endswith(".")
+    # Every command's and every option's help is a sentence: capital letter to full stop.
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
+    helps = [a.help for a in subparsers._choices_actions]
+    for sub in subparsers.choices.values():
+        helps += [a.help for a in sub._actions if a.help and a.help != "==SUPPRESS=="
+                  and not a.option_strings == ["-h", "--help"]]
+    for text in helps:
+        assert text[0].isupper() and text.endswith("."), text

@@ -1,0 +1,215 @@
+"""The shared half of every adapter: everything about a step that is not a tensor operation.
+
+An adapter (see ``protocol.py``) produces the step's statistics in its framework and hands them
+here as one host vector (``hvd_scale.reduce``'s layout); ``Scaling.step`` returns the factor to
+apply. No framework is imported here: the Horovod module is passed in (``HorovodBinding``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from hvd_scale.metrics import LOG_DIR_ENV, MetricsLogger
+from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_policy
+from hvd_scale.reduce import unpack_step
+
+NONFINITE = ("skip", "raise")
+
+
+def elastic() -> bool:
+    """Under ``horovodrun`` elastic (workers join and leave while the job runs)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def check_passes(backward_passes_per_step: Any) -> int:
+    """k, the backward passes (micro-batches) per optimizer step: an int >= 1, not a bool."""
+    k = backward_passes_per_step
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {k!r}")
+    return k
+
+
+class Scaling:
+    """A policy run by an adapter: set-up checks, the host side of each step, logs and state.
+
+    Args:
+        hvd: the framework's Horovod module (``HorovodBinding``).
+        policy: a spec string, a ``Policy``, or None (``$HVD_SCALE_POLICY``, else adascale).
+        passes: k, backward passes per step; S defaults to workers x k.
+        scale: S when the baseline batch is not a micro-batch.
+        budget: T in baseline steps.
+        optimizer_name: the wrapped optimizer's class name (the policy checks its theory).
+        framework: recorded in run.json ("torch", "keras/tensorflow", ...).
+        groups: parameter groups (one sum and one |g_bar|^2 each).
+        base_lrs: the groups' baseline lrs where they are numbers (checked > 0).
+        measure: take statistics although the policy does not need them; default: when the
+            policy needs them or metrics are logged.
+        log_dir: per-step metrics on rank 0; default ``$HVD_SCALE_LOG_DIR``, else none.
+        nonfinite: "skip" a step with non-finite gradients on every rank, or "raise".
+    """
+
+    def __init__(self, hvd, *, policy: str | Policy | None, passes: int, scale: float | None,
+                 budget: float | None, optimizer_name: str, framework: str, groups: int = 1,
+                 base_lrs: Sequence[Any] = (), measure: bool | None = None,
+                 log_dir: str | None = None, nonfinite: str = "skip"):
+        self.hvd = hvd
+        self.passes = check_passes(passes)
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.groups = groups
+        self.optimizer_name = optimizer_name
+        self.policy = self._agreed_policy(policy, scale, budget, base_lrs)
+        log_dir = log_dir or os.environ.get(LOG_DIR_ENV) or None
+        # Decided alike on every rank: the statistics allreduce must run on all of them or none.
+        self.measure = bool(self.policy.uses_statistics or log_dir is not None
+                            if measure is None else measure)
+        self.logger = None if log_dir is None else MetricsLogger(
+            log_dir, rank=hvd.rank(), budget=self.policy.budget,
+            run_info={"policy": self.policy.spec, "scale": self.policy.scale,
+                      "workers": hvd.size(), "backward_passes_per_step": self.passes,
+                      "optimizer": optimizer_name, "framework": framework})
+        self._world_size = hvd.size()
+        self.last_lr = math.nan
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _agreed_policy(self, policy, scale, budget, base_lrs) -> Policy:
+        hvd, passes = self.hvd, self.passes
+
+        def build() -> Policy:
+            for i, lr in enumerate(base_lrs):
+                if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
+                    raise ValueError(f"param_groups[{i}] has lr={lr!r}: the baseline learning "
+                                     "rate must be a number > 0 (the policy multiplies it)")
+            micro_gradients = hvd.size() * passes
+            return resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
+                                  budget=budget, optimizer=self.optimizer_name,
+                                  micro_gradients=micro_gradients)
+
+        # Not under Horovod elastic: a worker that joins a running job builds its optimizer
+        # while the others train, so a collective here would wait forever. There the policy
+        # state (its spec checked on load) comes from rank 0 at every sync instead.
+        allgather = None if hvd.size() == 1 or elastic() else \
+            (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
+        return agree_across_ranks(build, allgather)
+
+    # -- the host side of a step -------------------------------------------------------------------
+    def step(self, statistics: Sequence[float] | np.ndarray | None, *, base_lr: float,
+             finite: bool = True, loss_scale: float | None = None) -> float:
+        """Account one optimizer step and return its lr factor (0.0: the step is skipped).
+
+        statistics: the step's vector ``[s..., c, q...]`` (``hvd_scale.reduce.unpack_step``),
+            or None when nothing was measured. ``loss_scale``: the gradients were scaled by it.
+        finite: the framework's own verdict on the averaged gradient (when not measured).
+        A non-finite step is skipped (weights, optimizer state, statistics and tau stay; the
+        policy counts it) or raises FloatingPointError, alike on every rank: the statistics and
+        the averaged gradient are the same everywhere.
+        """
+        self.follow_world_size()
+        if statistics is not None:
+            values = np.asarray(statistics, dtype=np.float64)
+            finite = bool(finite) and bool(np.all(np.isfinite(values)))
+        if not finite:
+            if self.nonfinite == "raise":
+                raise FloatingPointError(f"non-finite gradients at step {self.policy.steps + 1} "
+                                         "(pass nonfinite='skip' to skip such steps)")
+            self.policy.skip()
+            return 0.0
+        if statistics is None:
+            info = self.policy.step()
+        else:
+            sqnorm_sum, n, mean_sqnorm = unpack_step(values, self.groups, loss_scale)
+            expected = self._world_size * self.passes
+            if n != expected:  # e.g. a world size frozen in a traced graph
+                raise RuntimeError(f"hvd_scale: the step's statistics count {n} micro-gradients, "
+                                   f"expected {self._world_size} workers x {self.passes}")
+            info = self.policy.step(sqnorm_sum, mean_sqnorm, n)
+        self.last_lr = float(base_lr) * info.lr_factor
+        if self.logger is not None:
+            self.logger.log(self.metrics())
+        return info.lr_factor
+
+    def skip(self) -> None:
+        """A step measured but never applied (an AMP overflow skipped it)."""
+        self.policy.skip()
+
+    def follow_world_size(self) -> None:
+        """Horovod elastic changed the number of workers: S changes in proportion (a scale given
+        for another baseline batch stays consistent); AdaScale keeps its estimates and tau."""
+        size = self.hvd.size()
+        self.policy.follow_workers(self._world_size, size)
+        self._world_size = size
+
+    def rescale(self, scale: float | None = None) -> None:
+        """New S; None: follow the world size, keeping S / (workers x k) (a ``scale=`` given for
+        another baseline batch stays in proportion)."""
+        if scale is None:
+            self.follow_world_size()
+        else:
+            self.policy.rescale(scale)
+
+    # -- what is read --------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """``hvd_scale.metrics.STEP_METRICS``: the policy's, and the lr the latest step applied."""
+        return {**self.policy.metrics(), "lr": self.last_lr}
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def loaded_policy(self, state: dict) -> Policy:
+        """A policy of this job's spec, scale and budget holding ``state`` (validated; the current
+        policy is not touched, so a bad checkpoint changes nothing)."""
+        policy = make_policy(self.policy.spec, scale=self.policy.scale, budget=self.policy.budget)
+        policy.load_state_dict(state)
+        return policy
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        """Every rank takes ``root_rank``'s policy state."""
+        state = self.hvd.broadcast_object(self.policy.state_dict(), root_rank=root_rank,
+                                          name="hvd_scale.policy_state")
+        self.policy = self.loaded_policy(state)
+
+
+class Readout:
+    """The read-only values an adapter's optimizer shows (it has ``policy`` and ``scaling``)."""
+
+    policy: Policy
+    scaling: Scaling
+
+    gain = property(lambda self: self.policy.gain, doc="measured gain r in [1, S]")
+    lr_factor = property(lambda self: self.policy.lr_factor,
+                         doc="factor the latest step applied to the baseline lr")
+    progress = property(lambda self: self.policy.progress, doc="tau, in baseline steps")
+    scale = property(lambda self: self.policy.scale, doc="S")
+    sigma2 = property(lambda self: self.policy.estimator.sigma2, doc="smoothed sigma2")
+    mu2 = property(lambda self: self.policy.estimator.mu2, doc="smoothed mu2")
+    noise_scale = property(lambda self: self.policy.estimator.noise_scale, doc="sigma2 / mu2")
+    efficiency = property(lambda self: self.policy.estimator.efficiency, doc="gain / S")
+    last_learning_rate = property(lambda self: self.scaling.last_lr,
+                                  doc="lr the latest step applied: baseline lr x lr_factor")
+
+    def metrics(self) -> dict[str, float]:
+        """``hvd_scale.metrics.STEP_METRICS`` as floats (host values: read them eagerly)."""
+        self.policy  # an adapter may refresh its policy from framework state on access
+        return self.scaling.metrics()
+
+    def done(self, budget: float | None = None) -> bool:
+        """True once progress tau has reached the budget (baseline steps)."""
+        return self.policy.done(budget)
+
+    def rescale(self, scale: float | None = None) -> None:
+        """New S; default: follow the world size, keeping S / (workers x k)."""
+        self.policy  # refresh first (Keras keeps the state in a variable)
+        self.scaling.rescale(scale)
+
+    def log_loss(self, loss) -> None:
+        """Record the step's loss (float or tensor) in the metrics row of the next step."""
+        if self.scaling.logger is not None:
+            self.scaling.logger.set_loss(loss)
+
+    def close(self) -> None:
+        """Flush and close the metrics files."""
+        if self.scaling.logger is not None:
+            self.scaling.logger.close()

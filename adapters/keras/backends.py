@@ -1,0 +1,164 @@
+"""What differs between Keras backends for the adapter: Horovod's module, the gradient
+allreduce, the call to the engine on the host, and elastic's run wrapper.
+
+The optimizer (``optimizer.py``) is written once in ``keras.ops``; ``current()`` picks the class
+for ``keras.backend.backend()`` in one ``if``, as Keras picks its own backend optimizer.
+
+    tensorflow  horovod.tensorflow; the engine runs through tf.numpy_function, so the step can be
+                traced into a tf.function (model.fit's train function)
+    torch       horovod.torch; eager, the engine is a plain call
+    jax         refused: Horovod has no JAX binding
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import keras
+import numpy as np
+
+from hvd_scale.adapters.core import elastic
+
+
+class TensorFlowBackend:
+    name = "tensorflow"
+
+    def __init__(self):
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+
+        self.hvd, self._tf = hvd, tf
+
+    def check_context(self) -> None:
+        """Refuse the contexts Horovod's TensorFlow ops cannot run in."""
+        if _in_xla_context():
+            raise ValueError(
+                "hvd_scale's DistributedOptimizer uses Horovod collectives, which XLA cannot "
+                "compile (this Horovod build has no XLA ops): compile the model with "
+                "jit_compile=False (model.compile(..., jit_compile=False)) or do not use "
+                "tf.function(jit_compile=True)")
+        if self._tf.distribute.has_strategy():
+            raise ValueError("DistributedOptimizer distributes with Horovod; do not use it inside "
+                             "a tf.distribute strategy scope")
+
+    def eager(self) -> bool:
+        return self._tf.executing_eagerly()
+
+    def world_size(self):
+        """hvd.size() as a tensor; under Horovod elastic read when the graph runs, not when it is
+        traced (a resize must not leave a train function with the old size, as Horovod does)."""
+        tf = self._tf
+        return tf.cast(self.hvd.size_op() if elastic() else self.hvd.size(), tf.float64)
+
+    def allreduce_average(self, tensors: Sequence, name: str) -> list:
+        """hvd.grouped_allreduce(op=Average), one group per dtype (Horovod's TensorFlow grouped op
+        takes one dtype); order kept. Groups in order of first appearance: the same on every rank."""
+        groups: dict = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault(t.dtype, []).append(i)
+        out: list = [None] * len(tensors)
+        for dtype, indices in groups.items():
+            suffix = "" if len(groups) == 1 else f".{dtype.name}"
+            reduced = self.hvd.grouped_allreduce([tensors[i] for i in indices],
+                                                 op=self.hvd.Average, name=name + suffix)
+            for i, r in zip(indices, reduced):
+                out[i] = r
+        return out
+
+    def host_call(self, fn: Callable, args: Sequence, name: str):
+        """fn(*numpy args) -> (float64 vector, float64 scalar), as a graph op (numpy_function)."""
+        tf = self._tf
+        vector, scalar = tf.numpy_function(fn, list(args), [tf.float64, tf.float64],
+                                           stateful=True, name=name)
+        return vector, scalar
+
+    def broadcast_variables(self, variables, root_rank: int) -> None:
+        self.hvd.broadcast_variables([v.value if isinstance(v, keras.Variable) else v
+                                      for v in variables], root_rank=root_rank)
+
+    def elastic_run(self, func):
+        """``hvd.elastic.run`` for TensorFlow, without its silent failure: Horovod's wrapper turns
+        an ``UnknownError`` from a Horovod collective into a restore-and-retry, but *returns
+        None* on any other ``UnknownError`` (e.g. a Python error raised inside a
+        ``tf.numpy_function``), so training stops early as if it had finished. This re-raises."""
+        from horovod.common.elastic import run_fn
+        from horovod.common.exceptions import HorovodInternalError
+        from horovod.tensorflow.elastic import _reset
+
+        tf = self._tf
+
+        @functools.wraps(func)
+        def wrapper(state, *args, **kwargs):
+            try:
+                return func(state, *args, **kwargs)
+            except tf.errors.UnknownError as e:
+                # Horovod's own test: the op names of its collectives in the message.
+                if any(op in e.message for op in ("HorovodAllreduce", "HorovodAllgather",
+                                                  "HorovodBroadcast")):
+                    raise HorovodInternalError(e) from e
+                raise
+        return run_fn(wrapper, _reset)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self):
+        import horovod.torch as hvd
+        import torch
+
+        self.hvd, self._torch = hvd, torch
+
+    def check_context(self) -> None:
+        pass
+
+    def eager(self) -> bool:
+        return True
+
+    def world_size(self):
+        return float(self.hvd.size())
+
+    def allreduce_average(self, tensors: Sequence, name: str) -> list:
+        # Horovod's torch grouped op takes mixed dtypes; tensors follow the gradients' device.
+        return list(self.hvd.grouped_allreduce(list(tensors), op=self.hvd.Average, name=name))
+
+    def host_call(self, fn: Callable, args: Sequence, name: str):
+        vector, scalar = fn(*(keras.ops.convert_to_numpy(a) for a in args))
+        return (keras.ops.convert_to_tensor(np.asarray(vector), "float64"),
+                keras.ops.convert_to_tensor(np.asarray(scalar), "float64"))
+
+    def broadcast_variables(self, variables, root_rank: int) -> None:
+        for i, v in enumerate(variables):
+            value = v.value if isinstance(v, keras.Variable) else v
+            v.assign(self.hvd.broadcast(value.detach(), root_rank=root_rank,
+                                        name=f"hvd_scale.variable.{i}"))
+
+    def elastic_run(self, func):
+        """``horovod.torch.elastic.run``: it re-raises errors that are not Horovod's."""
+        from horovod.torch.elastic import run
+
+        return run(func)
+
+
+def _in_xla_context() -> bool:
+    try:  # TensorFlow internals: the XLA context that tf.function(jit_compile=True) enters.
+        from tensorflow.python.framework import ops as tf_ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - moved in a future TF: no check
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()))
+
+
+_BACKENDS = {"tensorflow": TensorFlowBackend, "torch": TorchBackend}
+
+
+@functools.cache
+def current():
+    """The backend class instance for ``keras.backend.backend()``."""
+    name = keras.backend.backend()
+    if name not in _BACKENDS:
+        raise ValueError(f"hvd_scale.adapters.keras runs on the Keras backends {sorted(_BACKENDS)} "
+                         f"(Horovod has bindings for those), got KERAS_BACKEND={name!r}"
+                         + (": Horovod has no JAX support" if name == "jax" else ""))
+    return _BACKENDS[name]()

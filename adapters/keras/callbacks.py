@@ -1,0 +1,97 @@
+"""Keras callbacks for ``model.fit`` with hvd_scale's optimizer: broadcast the initial state, put
+the policy's metrics into ``logs`` and stop at the budget."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from hvd_scale.metrics import LOGS_METRICS
+
+from .optimizer import DistributedOptimizer, broadcast_state
+
+
+def prepare_model(model) -> None:
+    """Refuse the wrapping that deadlocks; switch XLA off before fit builds its train function."""
+    opt = getattr(model, "optimizer", None)
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer) and \
+            isinstance(opt.inner_optimizer, DistributedOptimizer):
+        raise ValueError("Keras wrapped hvd_scale's DistributedOptimizer in a LossScaleOptimizer "
+                         "(mixed_float16), which skips steps per rank before the allreduce: use "
+                         "DistributedOptimizer(LossScaleOptimizer(inner)) and compile with "
+                         "auto_scale_loss=False")
+    if isinstance(opt, DistributedOptimizer) and getattr(model, "compiled", False) \
+            and model.jit_compile:
+        warnings.warn("hvd_scale: Horovod collectives cannot be compiled (XLA, torch.compile); "
+                      "setting model.jit_compile = False (compile with jit_compile=False to "
+                      "silence this)", stacklevel=3)
+        model.jit_compile = False
+        model.train_function = None
+
+
+class _PreparesModel(keras.callbacks.Callback):
+    """Checks the model's wrapping (and switches XLA off) as soon as fit hands it over."""
+
+    def set_model(self, model):
+        super().set_model(model)
+        prepare_model(model)
+
+
+class BroadcastInitialState(_PreparesModel):
+    """Start every rank from root_rank's weights, optimizer variables and policy state.
+
+    Runs once, at the start of the first ``fit``.
+    """
+
+    def __init__(self, root_rank: int = 0):
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if not self.broadcast_done:
+            broadcast_state(self.model, root_rank=self.root_rank)
+            self.broadcast_done = True
+
+
+class ScalingMetrics(_PreparesModel):
+    """Put the policy's metrics into ``logs``; stop training once tau reaches a budget.
+
+    Keys added to the batch and epoch logs (so History, CSVLogger and the progress bar show
+    them; list this callback before CSVLogger): ``hvd_scale.metrics.LOGS_METRICS`` (gain, lr,
+    lr_factor, progress, scale, sigma2, mu2, noise_scale, efficiency; ``lr`` and ``lr_factor``
+    are what the latest step applied). With ``budget`` (baseline steps; default the
+    optimizer's), sets ``model.stop_training`` after the batch whose step takes tau to the
+    budget: tau is the same on every rank, so every rank stops at the same batch.
+    """
+
+    KEYS = LOGS_METRICS
+
+    def __init__(self, budget: float | None = None, batch_logs: bool = True):
+        super().__init__()
+        self.budget = budget
+        self.batch_logs = batch_logs
+
+    def _optimizer(self) -> DistributedOptimizer:
+        opt = self.model.optimizer
+        if not isinstance(opt, DistributedOptimizer):
+            raise TypeError(f"ScalingMetrics needs a model compiled with hvd_scale's "
+                            f"DistributedOptimizer, got {type(opt).__name__}")
+        return opt
+
+    def _values(self) -> dict[str, float]:
+        metrics = self._optimizer().metrics()
+        return {key: metrics[key] for key in self.KEYS}
+
+    def on_train_batch_end(self, batch, logs=None):
+        opt = self._optimizer()
+        if self.batch_logs and logs is not None:
+            logs.update(self._values())
+        budget = self.budget if self.budget is not None else opt.policy.budget
+        if budget is not None and opt.done(budget):
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs.update(self._values())

@@ -1,0 +1,176 @@
+"""The adapter protocol stands alone: a toy numpy framework implements the four hooks of
+``adapters/protocol.py`` and runs on ``adapters/core.Scaling`` without torch, TensorFlow or Horovod.
+
+The toy is one process playing one worker with k micro-batches a step, on ``LocalReducer``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hvd_scale import GainEstimator
+from hvd_scale.adapters.core import Scaling
+from hvd_scale.metrics import METRICS
+from hvd_scale.reduce import LocalReducer, pack_local
+
+LR = 0.1
+
+
+class OneProcess:
+    """A HorovodBinding for a single process."""
+
+    def __init__(self, size: int = 1):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return 0
+
+    def allgather_object(self, obj, name=None):
+        return [obj]
+
+    def broadcast_object(self, obj, root_rank=0, name=None):
+        return obj
+
+
+class ToyOptimizer:
+    """Least squares in numpy, implementing protocol.FrameworkOptimizer."""
+
+    def __init__(self, w, passes, policy="adascale", **kw):
+        self.w = np.asarray(w, dtype=np.float64)
+        self.scaling = Scaling(OneProcess(), policy=policy, passes=passes, scale=None, budget=None,
+                               optimizer_name="SGD", framework="toy", base_lrs=[LR], **kw)
+        self._sum, self._count, self._grad = 0.0, 0, np.zeros_like(self.w)
+
+    def backward(self, x, y):  # the framework's own: one micro-batch's gradient
+        g = x.T @ (x @ self.w - y) / len(y)
+        self._sum += float(g @ g)
+        self._count += 1
+        self._grad += g
+
+    # the four hooks
+    def local_statistics(self):
+        return pack_local([self._sum], self._count)
+
+    def start_statistics(self):
+        return LocalReducer().sum(self.local_statistics())
+
+    def mean_sqnorms(self):
+        self._mean = self._grad / self._count
+        return np.array([self._mean @ self._mean])
+
+    def apply_step(self, lr_factor):
+        self.w = self.w - LR * lr_factor * self._mean
+
+    def step(self):
+        summed = self.start_statistics()
+        factor = self.scaling.step(np.concatenate([summed, self.mean_sqnorms()]), base_lr=LR)
+        if factor:
+            self.apply_step(factor)
+        self._sum, self._count, self._grad = 0.0, 0, np.zeros_like(self.w)
+        return factor
+
+
+def batches(step, k, rng_seed=0):
+    rng = np.random.default_rng([rng_seed, step])
+    x = rng.normal(size=(k, 8, 3))
+    y = x @ np.array([1.0, -2.0, 0.5]) + rng.normal(size=(k, 8))
+    return x, y
+
+
+def test_toy_framework_matches_the_engine_reference(tmp_path):
+    k = 4
+    opt = ToyOptimizer(np.zeros(3), passes=k, log_dir=str(tmp_path))
+    ref_w, ref = np.zeros(3), GainEstimator(scale=k)
+    for step in range(6):
+        xs, ys = batches(step, k)
+        for x, y in zip(xs, ys):
+            opt.backward(x, y)
+        factor = opt.step()
+        grads = [x.T @ (x @ ref_w - y) / len(y) for x, y in zip(xs, ys)]
+        mean = np.mean(grads, axis=0)
+        gain = ref.update(sum(g @ g for g in grads), mean @ mean, k)
+        ref_w = ref_w - LR * gain * mean
+        assert factor == pytest.approx(gain, rel=1e-12) and 1.0 <= factor <= k
+        assert opt.scaling.metrics()["lr_factor"] == factor
+        assert opt.scaling.last_lr == pytest.approx(LR * factor)
+    np.testing.assert_allclose(opt.w, ref_w, rtol=1e-12)
+    opt.scaling.logger.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == list(METRICS) and len(rows) == 6
+    assert float(rows[-1]["lr"]) == pytest.approx(opt.scaling.last_lr)
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_nonfinite_statistics_skip_or_raise(nonfinite):
+    opt = ToyOptimizer(np.zeros(3), passes=2, nonfinite=nonfinite)
+    x, y = batches(0, 2)
+    y[0, 0] = math.inf
+    for xi, yi in zip(x, y):
+        opt.backward(xi, yi)
+    if nonfinite == "raise":
+        with pytest.raises(FloatingPointError, match="step 1"):
+            opt.step()
+    else:
+        assert opt.step() == 0.0
+        assert opt.scaling.policy.skipped == 1 and opt.scaling.policy.steps == 0
+        assert np.all(opt.w == 0)
+
+
+def test_statistics_must_count_workers_times_passes():
+    opt = ToyOptimizer(np.zeros(3), passes=2)
+    x, y = batches(0, 3)
+    for xi, yi in zip(x, y):  # 3 micro-batches where 2 were announced
+        opt.backward(xi, yi)
+    with pytest.raises(RuntimeError, match="count 3 micro-gradients, expected 1 workers x 2"):
+        opt.step()
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(passes=True), r"backward_passes_per_step must be an integer >= 1, got True"),
+    (dict(passes=0), r"got 0"),
+    (dict(passes=2, nonfinite="ignore"), r"nonfinite must be one of \('skip', 'raise'\), got 'ignore'"),
+    # one worker x one pass at S = 2: no variance to measure
+    (dict(passes=1, scale=2.0), r"needs at least 2 micro-gradients"),
+])
+def test_bad_set_up_is_refused(kw, pattern):
+    kw = {"scale": None, **kw}
+    with pytest.raises(ValueError, match=pattern):
+        Scaling(OneProcess(), policy="adascale", budget=None, optimizer_name="SGD",
+                framework="toy", **kw)
+
+
+def test_base_lr_must_be_positive():
+    with pytest.raises(ValueError, match=r"param_groups\[1\] has lr=0"):
+        Scaling(OneProcess(), policy="linear", passes=1, scale=None, budget=None,
+                optimizer_name="SGD", framework="toy", base_lrs=[0.1, 0])
+
+
+def test_rescale_without_a_scale_keeps_the_ratio_to_the_world_size():
+    hvd = OneProcess(2)
+    scaling = Scaling(hvd, policy="linear", passes=2, scale=2.0, budget=None,  # S = 2 x 2 / 2
+                      optimizer_name="SGD", framework="toy")
+    assert scaling.policy.scale == 2.0
+    hvd._size = 4
+    scaling.rescale()
+    assert scaling.policy.scale == 4.0  # still workers x k / 2
+    scaling.rescale(3.0)
+    assert scaling.policy.scale == 3.0
+
+
+def test_the_shared_half_imports_no_framework():
+    code = ("import sys, hvd_scale.adapters.core, hvd_scale.adapters.protocol; "
+            "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
