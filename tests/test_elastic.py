@@ -20,7 +20,7 @@ TORCH, KERAS = "elastic_worker.py", "elastic_keras_worker.py"
 
 
 def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | None = None,
-                worker_args=(), worker=TORCH):
+                worker_args=(), worker=TORCH, env=None):
     tmp_path.mkdir(parents=True, exist_ok=True)
     hosts = tmp_path / "hosts"
     hosts.write_text(hosts_text or f"localhost:{start}\n")
@@ -31,7 +31,7 @@ def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | 
     proc = run_horovod(
         [sys.executable, str(WORKERS_DIR / worker), "--hosts-file", str(hosts),
          "--budget", str(BUDGET), *resize, *worker_args],
-        np=start, hosts=False, timeout=150,
+        np=start, hosts=False, timeout=150, env=env,
         hvd_args=["--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discover),
                   "--network-interfaces", "lo"])
     results = worker_results(proc)
@@ -116,6 +116,15 @@ def test_keras_a_worker_leaves_from_a_traced_train_step(tmp_path):
 @pytest.mark.timeout(200)
 def test_keras_fit_a_worker_joins_with_the_committed_state(tmp_path):
     steps, finals = run_elastic(tmp_path, 2, 3, worker=KERAS, worker_args=["--fit"])
+    check(steps, finals, 2, 3)
+    assert any(f["rank"] == 2 for f in finals)
+
+
+@pytest.mark.timeout(200)
+def test_keras_on_torch_fit_a_worker_joins_with_the_committed_state(tmp_path):
+    # Keras's torch backend: horovod.torch collectives, horovod.torch.elastic.run.
+    steps, finals = run_elastic(tmp_path, 2, 3, worker=KERAS, worker_args=["--fit"],
+                                env={"KERAS_BACKEND": "torch"})
     check(steps, finals, 2, 3)
     assert any(f["rank"] == 2 for f in finals)
 

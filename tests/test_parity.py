@@ -1,6 +1,8 @@
-"""The torch and Keras adapters agree: same model, weights and micro-batches give the same gains.
+"""Three paths agree: the torch adapter, Keras on TensorFlow and Keras on torch (KERAS_BACKEND=torch,
+horovod.torch). Same model, weights and micro-batches give the same gains, tau, sigma2, mu2 and
+weights.
 
-Two `horovodrun -np 2` jobs (one per framework) run tests/workers/parity_worker.py. Tolerance:
+Three `horovodrun -np 2` jobs (one per path) run tests/workers/parity_worker.py. Tolerance:
 float32's, relative 1e-5 for gains, tau, sigma2 and mu2, 1e-6 absolute for the weights. Both
 adapters keep float64 statistics for a float64 model, and the runs agree to ~1e-15 today; the
 float32 tolerance leaves room for a summation order or a float32 statistics path to change,
@@ -16,6 +18,7 @@ from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_results
 
 pytestmark = [requires_horovod]
 NP = 2
+PATHS = ("torch", "keras", "keras-torch")
 GAIN_RTOL = 1e-5
 WEIGHT_ATOL = 1e-6
 
@@ -23,7 +26,7 @@ WEIGHT_ATOL = 1e-6
 @pytest.fixture(scope="module")
 def runs():
     out = {}
-    for framework in ("torch", "keras"):
+    for framework in PATHS:
         proc = run_horovod([sys.executable, str(WORKERS_DIR / "parity_worker.py"),
                             "--framework", framework], np=NP, timeout=240)
         for r in worker_results(proc):
@@ -33,9 +36,10 @@ def runs():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("k", [1, 2])
-def test_same_gains_in_torch_and_keras(runs, k):
+@pytest.mark.parametrize("keras_path", ["keras", "keras-torch"])
+def test_same_gains_in_torch_and_keras(runs, k, keras_path):
     for rank in range(NP):
-        t, kr = runs[("torch", k, rank)], runs[("keras", k, rank)]
+        t, kr = runs[("torch", k, rank)], runs[(keras_path, k, rank)]
         assert t["scale"] == kr["scale"] == NP * k
         assert len(t["rows"]) == len(kr["rows"]) == 6
         tg = np.array([row["gain"] for row in t["rows"]])
@@ -47,5 +51,5 @@ def test_same_gains_in_torch_and_keras(runs, k):
                                        rtol=GAIN_RTOL, atol=1e-12, err_msg=key)
         np.testing.assert_allclose(kr["weights"], t["weights"], atol=WEIGHT_ATOL)
     # Each framework's ranks agree exactly among themselves.
-    for framework in ("torch", "keras"):
+    for framework in PATHS:
         assert runs[(framework, k, 0)]["rows"] == runs[(framework, k, 1)]["rows"]

@@ -6,21 +6,24 @@
 Two ways to train, both under ``hvd.elastic.run`` with ``ElasticState``: a custom loop whose step
 is one ``tf.function`` traced before the resize (the world size must not stay frozen in it), or
 ``model.fit`` with the ``CommitState`` and ``ScalingMetrics`` callbacks. Each rank reports every
-step it takes (RESULT lines tagged "step") and a final summary (see _elastic.py).
+step it takes (RESULT lines tagged "step") and a final summary (see _elastic.py). ``--fit`` runs
+on either Keras backend (``KERAS_BACKEND=torch``: horovod.torch); the traced step is TensorFlow's.
 """
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import horovod.tensorflow as hvd
 import keras
 import numpy as np
-import tensorflow as tf
 
 from _elastic import after_step, emit_final, parser
 from hvd_scale.adapters.keras import (CommitState, DistributedOptimizer, ElasticState, ScalingMetrics,
-                                      elastic_run)
+                                      elastic_run, hvd)
+
+TF = keras.backend.backend() == "tensorflow"
+if TF:
+    import tensorflow as tf
 
 TEACHER = np.random.default_rng(7).normal(size=(8, 3))
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -41,8 +44,12 @@ def main():
     p.add_argument("--fit", action="store_true", help="train with model.fit and callbacks")
     args = p.parse_args()
     hvd.init()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    if TF:
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    else:
+        import torch
+        torch.set_num_threads(1)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(3)])
@@ -87,9 +94,10 @@ def main():
 
     train(state)
     x, y = batch(10**6, 0, size=512)  # a fixed held-out batch, the same for every run
-    eval_loss = float(LOSS(y, model(x, training=False)))
+    eval_loss = float(keras.ops.convert_to_numpy(LOSS(y, model(x, training=False))))
     emit_final(hvd, opt, eval_loss,
-               checksum=float(sum(np.sum(v.numpy(), dtype=np.float64) for v in model.variables)))
+               checksum=float(sum(np.sum(keras.ops.convert_to_numpy(v.value), dtype=np.float64)
+                                  for v in model.variables)))
 
 
 if __name__ == "__main__":

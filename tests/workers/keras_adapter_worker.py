@@ -3,6 +3,9 @@
 Every rank draws its own micro-batches from a seed that depends on (rank, step, pass), and can
 therefore also rebuild *all* ranks' micro-batches to compute a single-process reference. Models
 are float64 (keras floatx), so references agree to rounding.
+
+The model.fit cases (fit, fit_accumulate, checkpoint) run on either Keras backend
+(``KERAS_BACKEND=torch`` for torch); the others use TensorFlow directly (tapes, tf.function).
 """
 
 import argparse
@@ -16,21 +19,24 @@ import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import horovod.tensorflow as hvd
 import keras
 import numpy as np
-import tensorflow as tf
 
 from hvd_scale import GainEstimator
 from hvd_scale.adapters.keras import (BroadcastInitialState, CommitState, DistributedOptimizer,
-                                      ElasticState, ScalingMetrics, broadcast_state)
+                                      ElasticState, ScalingMetrics, broadcast_state, hvd)
+
+TF = keras.backend.backend() == "tensorflow"
+if TF:
+    import tensorflow as tf
 
 keras.config.set_floatx("float64")  # before any Keras object (the loss below) is made
 LR = 0.05
 
 
 def emit(case, **values):
-    print("RESULT " + json.dumps({"case": case, "rank": hvd.rank(), **values}), flush=True)
+    print("RESULT " + json.dumps({"case": case, "rank": hvd.rank(), "backend": keras.backend.backend(),
+                                  **values}), flush=True)
 
 
 def make_model(seed=0, dtypes=(None, None)):
@@ -273,13 +279,13 @@ def case_checkpoint():
         path = os.path.join(d, f"rank{hvd.rank()}.keras")
         part.save(path)
         resumed = keras.models.load_model(path)
-        # The same through a TensorFlow checkpoint into a freshly built model.
-        prefix = tf.train.Checkpoint(model=part, optimizer=part.optimizer).save(os.path.join(d, "tf"))
-        restored = new_checkpoint_model()
-        restored.optimizer.build(restored.trainable_variables)
-        tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
-            prefix).assert_existing_objects_matched()
-    restored.fit(x, y, epochs=2, **fit)
+        if TF:  # the same through a TensorFlow checkpoint into a freshly built model
+            prefix = tf.train.Checkpoint(model=part, optimizer=part.optimizer).save(os.path.join(d, "tf"))
+            restored = new_checkpoint_model()
+            restored.optimizer.build(restored.trainable_variables)
+            tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
+                prefix).assert_existing_objects_matched()
+            restored.fit(x, y, epochs=2, **fit)
     opt = resumed.optimizer
     loaded = {"type": type(opt).__name__, "policy": opt.policy.spec, "progress": opt.progress,
               "pending": int(opt._micro_steps.numpy()), "inner": type(opt.inner_optimizer).__name__}
@@ -290,8 +296,8 @@ def case_checkpoint():
          resumed_iterations=int(opt.iterations.numpy()),
          max_weight_diff=float(np.max(np.abs(weights_vector(full) - weights_vector(resumed)))),
          full_hash=weights_hash(full), resumed_hash=weights_hash(resumed),
-         tf_checkpoint_progress=restored.optimizer.progress,
-         tf_checkpoint_hash=weights_hash(restored))
+         **({"tf_checkpoint_progress": restored.optimizer.progress,
+             "tf_checkpoint_hash": weights_hash(restored)} if TF else {}))
 
 
 def case_nonfinite():
@@ -453,8 +459,12 @@ def main():
     parser.add_argument("cases", nargs="*", default=[c for c in CASES if c != "resume_np1"])
     args = parser.parse_args()
     hvd.init()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    if TF:
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    else:
+        import torch
+        torch.set_num_threads(1)
     for name in args.cases:
         CASES[name]()
     return 0

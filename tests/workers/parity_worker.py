@@ -1,5 +1,6 @@
-"""Run under horovodrun, once per framework: the same AdaScale run through the torch adapter or
-the Keras adapter, reported per optimizer step for tests/test_parity.py to compare.
+"""Run under horovodrun, once per path: the same AdaScale run through the torch adapter, the Keras
+adapter on TensorFlow, or the Keras adapter on torch (``--framework keras-torch``: Keras's torch
+backend on horovod.torch), reported per optimizer step for tests/test_parity.py to compare.
 
 Both runs use one model (8 -> 16 tanh -> 3, float64, SGD without momentum), the same initial
 weights (numpy, seed 123) and the same micro-batches per (rank, step, pass) (numpy seeds). With
@@ -71,13 +72,16 @@ def run_torch(k):
 
 
 def run_keras(k):
-    import horovod.tensorflow as hvd
     import keras
-    import tensorflow as tf
 
-    from hvd_scale.adapters.keras import DistributedOptimizer
+    from hvd_scale.adapters.keras import DistributedOptimizer, hvd
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    else:
+        import torch
+        torch.set_num_threads(1)
     keras.config.set_floatx("float64")
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(3)])
@@ -105,12 +109,14 @@ def run_keras(k):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--framework", choices=["torch", "keras"], required=True)
+    parser.add_argument("--framework", choices=["torch", "keras", "keras-torch"], required=True)
     args = parser.parse_args()
+    if args.framework != "keras":
+        os.environ["KERAS_BACKEND"] = "torch"  # before Keras is imported
     if args.framework == "torch":
         import horovod.torch as hvd
     else:
-        import horovod.tensorflow as hvd
+        from hvd_scale.adapters.keras import hvd
     hvd.init()
     run = run_torch if args.framework == "torch" else run_keras
     for k in PASSES:
