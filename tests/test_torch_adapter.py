@@ -1,10 +1,12 @@
 """The torch adapter under real `horovodrun -np 2` (Gloo): one job runs every case, tests check it."""
 
 import math
+import sys
 
 import pytest
 
-from hvdrun import WORKERS_DIR, per_rank, requires_horovod, run_cases
+from hvdrun import (WORKERS_DIR, demux_output, per_rank, requires_horovod, run_cases, run_horovod,
+                    worker_results)
 
 pytestmark = [requires_horovod]
 NP = 2
@@ -176,3 +178,21 @@ def test_resume_at_another_world_size_same_scale(results):
     assert resumed["gain"] == pytest.approx(full["gain"], rel=1e-9)
     # One process, one pass, S = 2: no variance estimate is possible, said up front.
     assert "needs at least 2 micro-gradients" in resumed["n1_error"]
+
+
+@pytest.mark.timeout(180)
+def test_a_torch_job_never_imports_tensorflow(tmp_path):
+    # TensorBoard event files are still written, by hvd_scale.tb_events (stdlib only).
+    proc = run_horovod([sys.executable, str(WORKERS_DIR / "torch_no_tf_worker.py"), str(tmp_path)],
+                       np=NP, timeout=150, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert [r["loaded"] for r in worker_results(proc, np=NP)] == [[], []]
+    # The workers' own lines (horovodrun tags them by rank). horovodrun itself checks its build
+    # in a child process that imports horovod.tensorflow first: its untagged notices are not a
+    # worker's.
+    streams = {**demux_output(proc.stdout), **{(r, "stderr"): text for (r, _), text
+                                               in demux_output(proc.stderr).items()}}
+    worker_text = "".join(text for (rank, _), text in streams.items() if rank is not None)
+    assert "RESULT" in worker_text
+    for word in ("tensorflow", "onednn", "cpu_feature_guard"):
+        assert word not in worker_text.lower(), worker_text[-3000:]
+    assert list((tmp_path / "logs" / "tb").glob("events.out.tfevents.*"))
