@@ -50,18 +50,23 @@ class Scaling:
             policy needs them or metrics are logged.
         log_dir: per-step metrics on rank 0; default ``$HVD_SCALE_LOG_DIR``, else none.
         nonfinite: "skip" a step with non-finite gradients on every rank, or "raise".
+        short_steps: the framework can take a step with fewer micro-batches than workers x k
+            (torch: a leftover batch at an epoch's end; uneven passes across ranks); such a step
+            is accounted at its own scale, S x n / (workers x k). Else a count other than
+            workers x k is an error.
     """
 
     def __init__(self, hvd, *, policy: str | Policy | None, passes: int, scale: float | None,
                  budget: float | None, optimizer_name: str, framework: str, groups: int = 1,
                  base_lrs: Sequence[Any] = (), measure: bool | None = None,
-                 log_dir: str | None = None, nonfinite: str = "skip"):
+                 log_dir: str | None = None, nonfinite: str = "skip", short_steps: bool = False):
         self.hvd = hvd
         self.passes = check_passes(passes)
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         self.nonfinite = nonfinite
         self.groups = groups
+        self.short_steps = short_steps
         self.optimizer_name = optimizer_name
         self.policy = self._agreed_policy(policy, scale, budget, base_lrs)
         log_dir = log_dir or os.environ.get(LOG_DIR_ENV) or None
@@ -124,10 +129,20 @@ class Scaling:
         else:
             sqnorm_sum, n, mean_sqnorm = unpack_step(values, self.groups, loss_scale)
             expected = self._world_size * self.passes
-            if n != expected:  # e.g. a world size frozen in a traced graph
+            if n == expected:
+                info = self.policy.step(sqnorm_sum, mean_sqnorm, n)
+            elif self.short_steps and 1 <= n < expected:
+                # Each micro-batch is worth S / (workers x k) baseline batches: so is the step.
+                try:
+                    info = self.policy.step(sqnorm_sum, mean_sqnorm, n,
+                                            scale=max(1.0, self.policy.scale * n / expected))
+                except ValueError as e:
+                    raise ValueError(f"hvd_scale: a short step of {n} backward pass(es) in all "
+                                     f"({self._world_size} workers x {self.passes} announced) "
+                                     f"cannot be measured: {e}") from e
+            else:  # e.g. a world size frozen in a traced graph
                 raise RuntimeError(f"hvd_scale: the step's statistics count {n} micro-gradients, "
                                    f"expected {self._world_size} workers x {self.passes}")
-            info = self.policy.step(sqnorm_sum, mean_sqnorm, n)
         self.last_lr = float(base_lr) * info.lr_factor
         if self.logger is not None:
             self.logger.log(self.metrics())

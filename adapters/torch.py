@@ -80,7 +80,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                                budget=budget, optimizer_name=type(optimizer).__name__,
                                framework="torch", groups=len(optimizer.param_groups),
                                base_lrs=[g.get("lr") for g in optimizer.param_groups],
-                               measure=measure, log_dir=log_dir, nonfinite=nonfinite)
+                               measure=measure, log_dir=log_dir, nonfinite=nonfinite,
+                               short_steps=True)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self._measure = self.scaling.measure
@@ -105,17 +106,19 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self._stats_dtype = torch.float64 if float64 else torch.float32
         self._pending: torch.Tensor | None = None  # this step's [sums, count, q] after synchronize
         self._stats_handle = None  # the statistics allreduce in flight
-        self._passes = 0           # backward passes since the last synchronize
-        self._hooks_seen = 0       # norm hooks run in the current backward pass
-        self._end_queued = False   # an end-of-backward callback is queued
         self._synchronized = False
         self._skip_sync = False
+        # Parameters Horovod and the hooks know: a later unfreezing is refused at the next step.
+        self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._hooks = []
+        self._fired: list[int] = []  # per hooked parameter: its gradients since the last step
         if self._measure:
             for gi, group in enumerate(self.param_groups):
                 for p in group["params"]:
                     if p.requires_grad:
-                        self._hooks.append(p.register_hook(self._make_norm_hook(gi, p)))
+                        self._hooks.append(p.register_hook(self._make_norm_hook(gi, p, len(self._fired))))
+                        self._fired.append(0)
+        self._fired_total = 0
 
     @property
     def policy(self) -> Policy:
@@ -123,7 +126,12 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         return self.scaling.policy
 
     # -- statistics -----------------------------------------------------------------------------
-    def _make_norm_hook(self, group_index: int, p: torch.Tensor):
+    # A backward pass is counted by the parameters' own gradients, not by autograd's end-of-
+    # backward callback: under reentrant activation checkpointing that callback belongs to the
+    # nested backward of the first segment, and would end the pass too early. Each hooked
+    # parameter gets one gradient per pass that reaches it, so this worker's passes are the
+    # largest count (parameters without a gradient in some pass count less).
+    def _make_norm_hook(self, group_index: int, p: torch.Tensor, index: int):
         norms = self._norms[group_index]
         precondition = self.policy.statistics == "preconditioned"
 
@@ -131,29 +139,16 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
             g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
             norms.append(self._norm(g))
-            self._hooks_seen += 1
-            if self._hooks_seen == len(self._hooks) and self._last_pass():
+            self._fired[index] += 1
+            self._fired_total += 1
+            if self._fired_total == len(self._hooks) * self.backward_passes_per_step \
+                    and self._stats_handle is None:
                 # The step's last gradient: this hook runs before Horovod's hook enqueues its
                 # allreduce, so the statistics are in Horovod's queue no later than the last
-                # gradient and never wait a cycle for themselves.
+                # gradient and never wait a cycle for themselves. (Otherwise, with parameters
+                # that got no gradient or a short step, synchronize() sends them.)
                 self._stats_handle = self.start_statistics()
-            if not self._end_queued:
-                self._end_queued = True
-                # Runs when this backward pass ends (DDP uses the same engine callback).
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return hook
-
-    def _last_pass(self) -> bool:
-        return self._passes + 1 == self.backward_passes_per_step and self._stats_handle is None
-
-    def _end_of_backward(self) -> None:
-        self._end_queued = False
-        if self._last_pass():
-            # Some parameters got no gradient in this pass: send the statistics now, right
-            # after Horovod's hooks enqueued the last gradient.
-            self._stats_handle = self.start_statistics()
-        self._passes += 1
-        self._hooks_seen = 0
 
     def start_statistics(self):
         """[s..., c] summed over workers, asynchronously (fused with the gradient traffic)."""
@@ -177,28 +172,20 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     def local_statistics(self) -> torch.Tensor:
         """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), in the gradients' dtype
-        (float32 for float32/16 models) so that Horovod fuses it with the gradient traffic."""
+        (float32 for float32/16 models) so that Horovod fuses it with the gradient traffic.
+        c is the passes this worker actually took (a short step takes fewer than k)."""
         dt = self._stats_dtype
-        # In units of the gradient the optimizer applies: Horovod sums the k passes, so the
-        # micro-gradient that averages to p.grad is k g_j (see mean_sqnorms).
-        k2 = float(self.backward_passes_per_step) ** 2
-        sums = [torch.stack(norms).square().sum() * k2 if norms else torch.zeros((), dtype=dt)
+        sums = [torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dt)
                 for norms in self._norms]
         for norms in self._norms:
             norms.clear()
-        count = torch.tensor(float(self.backward_passes_per_step), dtype=dt)
+        count = torch.tensor(float(max(self._fired, default=0)), dtype=dt)
+        self._fired = [0] * len(self._fired)
+        self._fired_total = 0
         return torch.stack(sums + [count])
 
     def mean_sqnorms(self) -> torch.Tensor:
-        """|g_bar|^2 per group from the averaged gradients in p.grad.
-
-        Statistics are kept in units of the gradient the optimizer applies: Horovod leaves in
-        p.grad the mean over workers of each worker's *sum* of its k passes, i.e. the mean of the
-        micro-gradients k g_j. So whether the user divides the loss by k or not, sigma2 and mu2
-        describe the update actually made, and a checkpoint resumed with another layout of the
-        same S (2 workers x 1 pass -> 1 worker x 2 passes with loss / 2) continues identically.
-        """
-        divisor = hvd.size() if self._op == hvd.Sum else 1  # op=Sum: the sum over workers
+        """|g_bar|^2 per group from the mean micro-gradient that p.grad holds after synchronize."""
         precondition = self.policy.statistics == "preconditioned"
         dt = self._stats_dtype
         out = []
@@ -213,25 +200,67 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 norms = torch._foreach_norm([p.grad for p in params])  # one fused kernel
             else:
                 norms = [self._norm(p.grad) for p in params]
-            out.append(torch.stack(norms).square().sum() / divisor ** 2)
+            out.append(torch.stack(norms).square().sum())
         return torch.stack(out)
+
+    def _to_mean_gradient(self, count: torch.Tensor | None) -> None:
+        """Make p.grad the mean of the step's micro-gradients, in place (no copy).
+
+        Horovod leaves there, over workers, the mean (op=Average) or the sum (op=Sum) of each
+        worker's *sum* of its passes. The mean over all n micro-gradients is what Keras applies
+        too, so one loss convention (each micro-batch's mean loss, not divided by k) gives the
+        same update in both frameworks. ``count``: n, from the statistics (a device tensor); None
+        without measurement, when every worker is taken to have made k passes.
+        """
+        if self._op not in (hvd.Average, hvd.Sum):
+            return  # Adasum combines the workers' gradients its own way: left as it is
+        k, workers = self.backward_passes_per_step, self.scaling.hvd.size()
+        per_worker_mean = self._op == hvd.Average
+        if per_worker_mean and k == 1 and count is None:
+            return  # one pass everywhere: already the mean
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        if count is None:
+            factor = 1.0 / (k if per_worker_mean else k * workers)
+        else:  # on the device: no host transfer before the step's one
+            factor = (workers if per_worker_mean else 1.0) / count.clamp(min=1)
+        torch._foreach_mul_(grads, factor)
 
     # -- the Horovod protocol -------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``."""
+        """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``.
+        Afterwards p.grad holds the mean micro-gradient (see ``_to_mean_gradient``)."""
+        self._check_no_parameter_unfrozen()
         if self._pending is not None:
             # The previous step's statistics were never used: its step was skipped (AMP overflow).
             self.scaling.skip()
             self._pending = None
-        handle, self._stats_handle, self._passes, self._hooks_seen = self._stats_handle, None, 0, 0
+        handle, self._stats_handle = self._stats_handle, None
         if self._measure and handle is None:
-            # Fewer backward passes than announced: send the statistics now.
+            # Fewer gradients than every parameter x k passes: send the statistics now.
             handle = self.start_statistics()
         self._hvd_opt.synchronize()
-        if handle is not None:
+        if handle is None:
+            self._to_mean_gradient(None)
+        else:
+            summed = hvd.synchronize(handle)
+            self._to_mean_gradient(summed[len(self.param_groups)])
             # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
-            self._pending = torch.cat([hvd.synchronize(handle), self.mean_sqnorms()])
+            self._pending = torch.cat([summed, self.mean_sqnorms()])
         self._synchronized = True
+
+    def _check_no_parameter_unfrozen(self) -> None:
+        """A parameter made trainable after the optimizer was built has neither Horovod's
+        allreduce nor a norm hook: its workers would drift apart and the statistics miss it."""
+        unfrozen = [p for p in self._frozen if p.requires_grad]
+        if unfrozen:
+            shapes = [tuple(p.shape) for p in unfrozen]
+            raise ValueError(f"hvd_scale: {len(unfrozen)} parameter(s) of shape(s) {shapes} were "
+                             "made trainable after DistributedOptimizer was built; Horovod would "
+                             "not average their gradients and the statistics would miss them. "
+                             "Build the optimizer again (DistributedOptimizer(...)) after changing "
+                             "requires_grad, then load its state_dict")
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -256,11 +285,19 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         stats, self._pending = self._pending, None
         scaler = self._grad_scaler
         loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-        factor = self.scaling.step(None if stats is None else stats.tolist(),  # one host transfer
-                                   base_lr=self.param_groups[0]["lr"], loss_scale=loss_scale)
+        if stats is not None:
+            factor = self.scaling.step(stats.tolist(),  # the step's one host transfer
+                                       base_lr=self.param_groups[0]["lr"], loss_scale=loss_scale)
+        else:  # unmeasured: the averaged gradient's finiteness is the step's one host transfer
+            factor = self.scaling.step(None, base_lr=self.param_groups[0]["lr"],
+                                       finite=scaler is not None or self._grads_finite())
         if factor == 0.0:
             return None  # skipped: nothing applied
         return self.apply_step(factor, closure)
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return not grads or bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
 
     def apply_step(self, lr_factor: float, closure=None):
         """The inner step with every group's lr x lr_factor; the user's lrs are put back after, so
@@ -301,7 +338,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         # torch's load_state_dict builds new group dicts and a new state: share them again.
         self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
         self.scaling.policy = policy
-        self._pending, self._synchronized, self._passes, self._hooks_seen = None, False, 0, 0
+        self._pending, self._synchronized = None, False
+        self._fired, self._fired_total = [0] * len(self._fired), 0
         if self._stats_handle is not None:  # a step's statistics in flight: finish, then drop them
             hvd.synchronize(self._stats_handle)
             self._stats_handle = None

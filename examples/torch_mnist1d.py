@@ -85,14 +85,16 @@ def main(argv=None) -> dict:
         opt.zero_grad()
         for _ in range(args.accumulate):
             x, y = next(batches)
-            loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)) / args.accumulate
+            # Each micro-batch's mean loss, not divided by k: hvd_scale applies the mean of the
+            # k micro-gradients (as Keras does).
+            loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
             loss.backward()
-        opt.log_loss(loss.detach() * args.accumulate)  # metrics row (with --log-dir), read lazily
+        opt.log_loss(loss.detach())  # metrics row (with --log-dir), read lazily
         opt.step()
         gains.append(opt.gain)
         if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
             print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
-                  f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.4f}  loss {loss.item() * args.accumulate:.3f}",
+                  f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.4f}  loss {loss.item():.3f}",
                   flush=True)
     elapsed = time.perf_counter() - start
     summary = {

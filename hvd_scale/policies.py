@@ -229,12 +229,24 @@ class Policy:
         """Raise ValueError when this policy has no theory for the optimizer (fixed rules: any)."""
 
     # The shared step.
-    def step(self, sqnorm_sum=None, mean_sqnorm=None, n: int | None = None) -> StepInfo:
+    def step(self, sqnorm_sum=None, mean_sqnorm=None, n: int | None = None, *,
+             scale: float | None = None) -> StepInfo:
         """Account one optimizer step; statistics as in ``GainEstimator.update``.
 
         Returns the factor to apply to this step's lr. Raises ValueError (state untouched) on
         statistics that are missing where the policy needs them, or bad.
+
+        ``scale``: this step's own S when it differs from the policy's, e.g. a short step with
+        fewer micro-batches than announced (S x n / n_announced): the gain, the factor and tau's
+        advance are this step's; the policy's S is the same afterwards.
         """
+        if scale is not None and check_scale(scale) != self.scale:
+            own = self.scale
+            self.estimator.rescale(scale)
+            try:
+                return self.step(sqnorm_sum, mean_sqnorm, n)
+            finally:
+                self.estimator.rescale(own)
         if n is not None and int(n) < 1:
             raise ValueError(f"n (micro-gradients in the step) must be >= 1, got {n!r}")
         # A fixed rule only logs the estimate, and n = 1 simply gives none.

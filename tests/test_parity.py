@@ -35,7 +35,7 @@ def runs():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("keras_path", ["keras", "keras-torch"])
 def test_same_gains_in_torch_and_keras(runs, k, keras_path):
     for rank in range(NP):

@@ -116,3 +116,11 @@ def test_step_vector_layout_and_unscaling():
     assert s.tolist() == [8.0, 4.0] and n == 4 and q.tolist() == [1.0, 0.5]
     with pytest.raises(ValueError, match="5 values"):
         unpack_step(vector[:4], groups)
+
+
+@pytest.mark.parametrize("spec", ["adascale", "linear", "warmup:steps=4"])
+def test_a_step_at_its_own_scale_leaves_the_policys_scale(spec):
+    short, ref = build(spec, 8.0), build(spec, 2.0)
+    info = short.step([8.0], [1.25], 2, scale=2.0)  # 2 of 8 micro-batches
+    assert info == ref.step([8.0], [1.25], 2)
+    assert short.scale == 8.0 and short.progress == ref.progress

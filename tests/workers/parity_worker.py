@@ -3,10 +3,9 @@ adapter on TensorFlow, or the Keras adapter on torch (``--framework keras-torch`
 backend on horovod.torch), reported per optimizer step for tests/test_parity.py to compare.
 
 Both runs use one model (8 -> 16 tanh -> 3, float64, SGD without momentum), the same initial
-weights (numpy, seed 123) and the same micro-batches per (rank, step, pass) (numpy seeds). With
-backward_passes_per_step=k the torch side divides the loss by k, so both apply the *mean*
-micro-gradient (the Keras adapter's convention); both keep statistics in units of the applied
-gradient, so sigma2 and mu2 agree too. The Keras side trains with model.fit, one micro-batch per batch.
+weights (numpy, seed 123) and the same micro-batches per (rank, step, pass) (numpy seeds). Every path
+computes each micro-batch's mean loss (one convention, not divided by k) and applies the mean of
+the k x workers micro-gradients, so weights, sigma2 and mu2 agree too, for k in (1, 2, 4). The Keras side trains with model.fit, one micro-batch per batch.
 
     horovodrun --gloo -np 2 -H localhost:2 python tests/workers/parity_worker.py --framework keras
 """
@@ -23,7 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 LR = 0.05
 STEPS = 6
 BATCH = 16
-PASSES = (1, 2)
+PASSES = (1, 2, 4)
 
 
 def initial_weights():
@@ -62,10 +61,9 @@ def run_torch(k):
         for j in range(k):
             x, y = micro_batch(hvd.rank(), step, j)
             loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
-            (loss / k).backward()
+            loss.backward()  # each micro-batch's mean loss, as Keras's fit computes it
         opt.step()
         rows.append({"gain": opt.gain, "progress": opt.progress,
-                     # statistics of the user's micro-gradients (loss / k): back to loss units
                      "sigma2": opt.sigma2, "mu2": opt.mu2})
     weights = np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()])
     return hvd.rank(), opt.scale, rows, weights

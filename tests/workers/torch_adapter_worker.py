@@ -95,9 +95,9 @@ def case_reference(k, divide_loss):
         sq_sum = [sum(float(g[i].square().sum()) for g in per_micro) for i in range(2)]
         mean = [torch.stack([g[i] for g in per_micro]).mean(0) for i in range(2)]
         gain = ref_est.update(sq_sum, [float(m.square().sum()) for m in mean], len(batches))
-        # Horovod sums the k passes' gradients: with an undivided loss the applied gradient is
-        # k x the mean micro-gradient (the user's convention), with loss / k it is the mean.
-        applied = 1 if divide_loss else k
+        # hvd_scale applies the mean of the user's micro-gradients: with loss / k they are k
+        # times smaller than the reference's (a Horovod habit that hvd_scale does not need).
+        applied = 1 / k if divide_loss else 1
         with torch.no_grad():
             for i, group in enumerate(two_groups(ref)):
                 offset = 0
@@ -333,7 +333,8 @@ def case_misuse():
 
 def steps_for_resize(model, opt, start, stop, passes):
     """Steps whose micro-batches are (rank r, step) for r in 0..1, whatever the layout:
-    2 workers x 1 pass, or 1 worker x 2 passes (loss / passes: the same mean gradient)."""
+    2 workers x 1 pass, or 1 worker x 2 passes (each pass's mean loss: hvd_scale applies the
+    mean micro-gradient in both layouts)."""
     losses = []
     for step in range(start, stop):
         opt.zero_grad()
@@ -341,7 +342,7 @@ def steps_for_resize(model, opt, start, stop, passes):
         for j in range(passes):
             x, y = micro_batch(hvd.rank() if passes == 1 else j, step, 0)
             loss = loss_fn(model, x, y)
-            (loss / passes).backward()
+            loss.backward()
             total += float(loss) / passes
         opt.step()
         total = float(hvd.allreduce(torch.tensor(total, dtype=torch.float64), name=f"rl{step}")) \
