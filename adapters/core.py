@@ -74,7 +74,7 @@ class Scaling:
         self.measure = bool(self.policy.uses_statistics or log_dir is not None
                             if measure is None else measure)
         self.logger = None if log_dir is None else MetricsLogger(
-            log_dir, rank=hvd.rank(), budget=self.policy.budget,
+            log_dir, rank=hvd.rank, budget=self.policy.budget,  # rank 0 of the moment writes
             run_info={"policy": self.policy.spec, "scale": self.policy.scale,
                       "workers": hvd.size(), "backward_passes_per_step": self.passes,
                       "optimizer": optimizer_name, "framework": framework})

@@ -124,3 +124,56 @@ def test_a_step_at_its_own_scale_leaves_the_policys_scale(spec):
     info = short.step([8.0], [1.25], 2, scale=2.0)  # 2 of 8 micro-batches
     assert info == ref.step([8.0], [1.25], 2)
     assert short.scale == 8.0 and short.progress == ref.progress
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _log_steps(logger, steps):
+    for step in steps:
+        logger.log({"step": float(step), "progress": 2.0 * step, "gain": 1.5})
+
+
+def test_a_resumed_run_appends_and_sets_replayed_rows_aside(tmp_path):
+    first = MetricsLogger(tmp_path, progress_bar=False)
+    _log_steps(first, range(1, 6))  # killed after step 5, its last checkpoint at step 3
+    first.close()
+    resumed = MetricsLogger(tmp_path, progress_bar=False)
+    _log_steps(resumed, range(4, 8))
+    resumed.close()
+    assert [float(r["step"]) for r in _rows(tmp_path / "metrics.csv")] == [1, 2, 3, 4, 5, 6, 7]
+    assert [float(r["step"]) for r in _rows(tmp_path / "metrics.replayed.csv")] == [4, 5]
+    assert json.loads((tmp_path / "run.json").read_text())["resumed_at_step"] == 4
+
+
+def test_a_fresh_run_into_a_used_directory_keeps_the_earlier_one(tmp_path):
+    first = MetricsLogger(tmp_path, run_info={"policy": "linear"}, progress_bar=False)
+    _log_steps(first, range(1, 4))
+    first.close()
+    second = MetricsLogger(tmp_path, run_info={"policy": "adascale"}, progress_bar=False)
+    with pytest.warns(UserWarning, match=r"kept as metrics\.1\.csv"):
+        _log_steps(second, range(1, 3))
+    second.close()
+    assert len(_rows(tmp_path / "metrics.1.csv")) == 3 and len(_rows(tmp_path / "metrics.csv")) == 2
+    assert json.loads((tmp_path / "run.1.json").read_text())["policy"] == "linear"
+    assert json.loads((tmp_path / "run.json").read_text())["policy"] == "adascale"
+
+
+def test_the_rank_0_of_the_moment_writes_and_replays_are_not_duplicated(tmp_path):
+    rank = {"a": 0, "b": 1}
+    a = MetricsLogger(tmp_path, rank=lambda: rank["a"], progress_bar=False)
+    b = MetricsLogger(tmp_path, rank=lambda: rank["b"], progress_bar=False)
+    for step in (1, 2, 3):
+        a.log({"step": float(step)})
+        b.log({"step": float(step)})
+    assert a.active and not b.active
+    rank.update(a=1, b=0)  # a resize renumbered the workers; the job restored step 2's commit
+    for step in (3, 4):
+        a.log({"step": float(step)})
+        b.log({"step": float(step)})
+    assert b.active and not a.active
+    b.close()
+    assert [float(r["step"]) for r in _rows(tmp_path / "metrics.csv")] == [1, 2, 3, 4]
+    assert [float(r["step"]) for r in _rows(tmp_path / "metrics.replayed.csv")] == [3]
