@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pickle
 from typing import Any
 
 import horovod.torch as hvd
@@ -50,7 +51,10 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         named_parameters: as for ``hvd.DistributedOptimizer``.
         policy: a spec string (``"adascale"``, ``"warmup:fraction=0.055"``, ...), a ``Policy``, or
             None for ``$HVD_SCALE_POLICY``, else ``"adascale"``.
-        backward_passes_per_step: k local backward passes per step (Horovod sums them).
+        backward_passes_per_step: k local backward passes per step. The step applies the *mean*
+            of the micro-gradients over passes and workers (as Keras does): compute each
+            micro-batch's mean loss and do not divide it by k. A short step (fewer passes on some
+            or all workers: a leftover batch) counts the passes actually taken.
         scale: S; default workers x k (micro-batch = baseline batch). Give it when the baseline
             batch differs from a micro-batch: S = workers x k x micro_batch / baseline_batch.
         budget: T in baseline steps, for ``done()`` and ``warmup:fraction=``.
@@ -63,7 +67,9 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         nonfinite: a step whose gradients are not finite is skipped on every rank ("skip",
             counted in ``policy.skipped``) or raises FloatingPointError on every rank ("raise").
         **horovod_options: compression, op, gradient_predivide_factor, groups, sparse_as_dense,
-            process_set: passed to ``hvd.DistributedOptimizer``.
+            process_set: passed to ``hvd.DistributedOptimizer``. With a ``process_set``, S, n, the
+            policy agreement and the statistics are the set's, as the averaged gradients are.
+            op=hvd.Sum is normalized like Average (the mean micro-gradient is applied).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -76,7 +82,10 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
             raise TypeError("optimizer is already distributed: wrap the plain torch optimizer once")
         op = horovod_options.get("op", hvd.Average)
-        self.scaling = Scaling(hvd, policy=policy, passes=backward_passes_per_step, scale=scale,
+        process_set = horovod_options.get("process_set", hvd.global_process_set)
+        # S, n, the agreement and the statistics live within the process set, as the gradients do.
+        self._process_set = process_set
+        self.scaling = Scaling(_ProcessSetBinding(process_set), policy=policy, passes=backward_passes_per_step, scale=scale,
                                budget=budget, optimizer_name=type(optimizer).__name__,
                                framework="torch", groups=len(optimizer.param_groups),
                                base_lrs=[g.get("lr") for g in optimizer.param_groups],
@@ -152,7 +161,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     def start_statistics(self):
         """[s..., c] summed over workers, asynchronously (fused with the gradient traffic)."""
-        return hvd.allreduce_async_(self.local_statistics(), op=hvd.Sum, name=STATS_NAME)
+        return hvd.allreduce_async_(self.local_statistics(), op=hvd.Sum, name=STATS_NAME,
+                                    process_set=self._process_set)
 
     def _norm(self, g: torch.Tensor) -> torch.Tensor:
         """|g| as a 0-d tensor of the statistics' dtype. Half precision is widened inside the
@@ -348,6 +358,35 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"
+
+
+class _ProcessSetBinding:
+    """``core.Scaling``'s collectives within one Horovod process set (the whole job by default)."""
+
+    def __init__(self, process_set):
+        self.process_set = process_set
+        self._global = process_set is hvd.global_process_set
+
+    def size(self) -> int:
+        return hvd.size() if self._global else self.process_set.size()
+
+    def rank(self) -> int:
+        return hvd.rank() if self._global else self.process_set.rank()
+
+    def allgather_object(self, obj, name=None) -> list:
+        if self._global:
+            return hvd.allgather_object(obj, name=name)
+        # Horovod's allgather_object has no process set: pickles of any length, gathered.
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes",
+                              process_set=self.process_set)
+        gathered = hvd.allgather(data, name=name, process_set=self.process_set)
+        return [pickle.loads(chunk.numpy().tobytes())
+                for chunk in torch.split(gathered, sizes.tolist())]
+
+    def broadcast_object(self, obj, root_rank=0, name=None):
+        return hvd.broadcast_object(obj, root_rank=root_rank, name=name,
+                                    process_set=self.process_set)
 
 
 class ScaleInvariantScheduler:

@@ -70,3 +70,14 @@ def test_unmeasured_nonfinite_step_is_skipped_on_every_rank(results):
         assert all(row["finite"] for row in r["rows"])
         assert [row["progress"] for row in r["rows"]] == [2.0, 2.0, 4.0]
         assert r["skipped"] == 1
+
+
+@pytest.mark.timeout(180)
+def test_process_sets_of_one_worker_each_train_on_their_own():
+    proc = run_horovod([sys.executable, str(WORKERS_DIR / "process_set_worker.py")], np=NP,
+                       timeout=150)
+    for r in worker_results(proc, np=NP):
+        assert r["scale"] == 2.0  # 1 worker of the set x 2 passes, not the world's 2 x 2
+        assert r["gains"] == pytest.approx(r["ref_gains"], rel=1e-9)
+        assert max(r["gains"]) > 1.0 and r["sigma2"] == pytest.approx(r["ref_sigma2"], rel=1e-9)
+        assert r["moved"] > 0
