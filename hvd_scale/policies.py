@@ -21,6 +21,7 @@ string, ``name`` or ``name:key=value,...``, as given to ``--policy`` or ``HVD_SC
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -488,8 +489,27 @@ class AdaScaleAdam(AdaScale):
                    "preconditioned gradient g / (sqrt(v_hat) + eps), lr x sqrt(r), tau += r")
     statistics = "preconditioned"
 
+    # Adam's second moment after t steps averages about t squared gradients (t << 1/(1 - beta2)):
+    # at t = 1, g / sqrt(v_hat) is sign(g), +-1 in every coordinate, and for small t the ratio's
+    # relative spread is about sqrt(2 / t) (Gaussian coordinates). Such heavy-tailed norms would
+    # sit in the EMA for ~1000 baseline batches, so statistics count from this many steps on
+    # (spread ~0.3); the steps before are taken at gain 1: lr unscaled and tau += 1, which is
+    # conservative (never a larger lr than the baseline's; at most this many baseline steps of
+    # progress go uncounted).
+    MIN_ADAM_HISTORY = 20
+
     def factor(self) -> float:
         return math.sqrt(self.gain)
+
+    def step(self, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale=None) -> StepInfo:
+        if self.steps >= self.MIN_ADAM_HISTORY:
+            return super().step(sqnorm_sum, mean_sqnorm, n, scale=scale)
+        # Bad statistics fail as in a measured step (on a copy: the estimates stay untouched).
+        super(AdaScaleAdam, copy.deepcopy(self)).step(sqnorm_sum, mean_sqnorm, n, scale=scale)
+        before = self.progress
+        self._applied, self.progress = 1.0, before + 1.0
+        self.steps += 1
+        return StepInfo(self.steps, 1.0, before, self.progress, 1.0)
 
     def check_optimizer(self, optimizer: str) -> None:
         if optimizer_family(optimizer) != "adam":

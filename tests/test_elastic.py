@@ -71,6 +71,19 @@ def test_a_worker_joins_with_the_committed_state(tmp_path):
     assert any(f["rank"] == 2 for f in finals)
 
 
+@pytest.mark.timeout(200)
+def test_adam_moments_are_kept_across_a_resize(tmp_path):
+    # Chosen: Adam's moments carry over a resize (committed, broadcast to a joining worker), as
+    # its step count does; AdaptDL resets them. See README, "Adam".
+    steps, finals = run_elastic(tmp_path, 3, 2, worker_args=["--adam"])
+    check(steps, finals, 3, 2)
+    # Never reset: Adam's count is the policy's steps, plus the zero-gradient step with which
+    # Horovod's broadcast_optimizer_state fills an empty optimizer state at the first sync.
+    assert {f["adam_step"] for f in finals} == {finals[0]["steps"] + 1.0}
+    assert len({f["moments"] for f in finals}) == 1 and finals[0]["moments"] > 0
+    assert max(r["gain"] for r in steps) > 1.0  # measured once Adam's moments had history
+
+
 # Two host names for one machine: Horovod blacklists the host of a failed worker, so the worker
 # that dies must sit on a host of its own ("127.0.0.1" resolves to this machine, runs locally).
 TWO_HOSTS = "localhost:2\n127.0.0.1:1\n"

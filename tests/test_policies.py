@@ -26,6 +26,16 @@ ALL_SPECS = sorted(set(SPECS.values()) | {"warmup:steps=3", "warmup:fraction=0.2
                                           "adascale:smoothing=0.5", "adascale_adam:smoothing=0.9"})
 
 
+@pytest.fixture(autouse=True, scope="module")
+def adam_statistics_from_the_first_step():
+    """The mechanics tests here measure adascale_adam from step 1; its warm-in (statistics only
+    after Adam's second moment has history) is tested on its own below."""
+    saved = hvd_scale.policies.AdaScaleAdam.MIN_ADAM_HISTORY
+    hvd_scale.policies.AdaScaleAdam.MIN_ADAM_HISTORY = 0
+    yield
+    hvd_scale.policies.AdaScaleAdam.MIN_ADAM_HISTORY = saved
+
+
 def test_registry_is_what_the_reference_lists():
     assert set(available_policies()) == {"none", "linear", "sqrt", "warmup", "adascale",
                                          "adascale_adam"}
@@ -246,6 +256,26 @@ def test_adascale_factor_and_progress_follow_the_gain(spec, root):
         tau += r
         assert info.progress == tau == policy.progress
     assert 1.0 < tau / len(STATS_SEQUENCE) < 4.0  # the gain really was measured, and below S
+
+
+def test_adascale_adam_takes_no_statistics_before_adams_second_moment_has_history(monkeypatch):
+    monkeypatch.setattr(hvd_scale.policies.AdaScaleAdam, "MIN_ADAM_HISTORY", 20)
+    policy = make_policy("adascale_adam:smoothing=0.5", scale=4)
+    reference = GainEstimator(4, smoothing=0.5)
+    for step in range(20):  # gain 1: the baseline lr, one baseline step of progress each
+        s, q, n = STATS_SEQUENCE[step % len(STATS_SEQUENCE)]
+        info = policy.step(s, q, n)
+        assert (info.lr_factor, info.gain, info.progress) == (1.0, 1.0, step + 1.0)
+        assert policy.estimator.state.updates == 0
+    with pytest.raises(ValueError, match="finite"):  # bad statistics still fail
+        policy.step(math.nan, 1.0, 4)
+    tau = policy.progress
+    for s, q, n in STATS_SEQUENCE:  # then measured, as adascale's gain, lr x sqrt(r)
+        r = reference.update(s, q, n)
+        info = policy.step(s, q, n)
+        assert info.gain == r and info.lr_factor == math.sqrt(r)
+        tau += r
+        assert info.progress == tau
 
 
 def test_adascale_first_step_by_hand():

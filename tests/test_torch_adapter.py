@@ -145,9 +145,14 @@ def test_adascale_adam_uses_sqrt_gain(results):
         assert 1 <= row["gain"] <= NP
         assert row["lr_factor"] == pytest.approx(math.sqrt(row["gain"]), rel=1e-12)
     assert rows[-1]["progress"] == pytest.approx(sum(row["gain"] for row in rows))
-    # From step 2 on the statistics are of g / (sqrt(v_hat) + eps): of order 1 per coordinate,
-    # far above the raw gradients' (the first step, before Adam has v, uses the raw gradient).
-    assert rows[-1]["sigma2"] > 100 * rows[0]["sigma2"]
+    # No statistics before Adam's second moment has history: gain 1, one baseline step each.
+    warm = r0["history"]
+    assert [row["progress"] for row in rows[:warm]] == [float(i + 1) for i in range(warm)]
+    assert all(math.isnan(row["sigma2"]) for row in rows[:warm])
+    assert max(row["gain"] for row in rows[warm:]) > 1.0
+    # Then the statistics are of g / (sqrt(v_hat) + eps): of order 1 per coordinate, far above
+    # the raw gradients' (plain adascale on the same model and data).
+    assert rows[-1]["sigma2"] > 100 * r0["plain_sigma2"]
     assert r0["lr"] == 1e-3
     assert r0["precondition_exact"] and r0["grad_untouched"]
 

@@ -50,6 +50,7 @@ def after_step(hvd, args, state, opt) -> None:
     time.sleep(args.step_sleep)
 
 
-def emit_final(hvd, opt, eval_loss: float, checksum: float) -> None:
+def emit_final(hvd, opt, eval_loss: float, checksum: float, **extra) -> None:
     emit(hvd, kind="final", size=hvd.size(), scale=opt.scale, progress=opt.progress,
-         eval_loss=eval_loss, steps=opt.policy.steps, sigma2=opt.sigma2, checksum=checksum)
+         eval_loss=eval_loss, steps=opt.policy.steps, sigma2=opt.sigma2, checksum=checksum,
+         **extra)

@@ -19,13 +19,16 @@ TEACHER = torch.randn(8, 3, generator=torch.Generator().manual_seed(7))
 def main():
     p = parser("elastic job, torch adapter")
     p.add_argument("--policy", default="adascale")
+    p.add_argument("--adam", action="store_true", help="Adam with adascale_adam")
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
-                               named_parameters=model.named_parameters(), policy=args.policy,
+    inner = torch.optim.Adam(model.parameters(), lr=0.01) if args.adam else \
+        torch.optim.SGD(model.parameters(), lr=0.2)
+    opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                               policy="adascale_adam" if args.adam else args.policy,
                                budget=args.budget)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, resized=False)
 
@@ -48,8 +51,13 @@ def main():
     y = (x @ TEACHER).argmax(1)
     with torch.no_grad():
         eval_loss = float(torch.nn.functional.cross_entropy(model(x), y))
+    adam = {}
+    if args.adam:  # Adam's moments after the resize: kept (committed, broadcast), not reset
+        states = [opt.state[p] for p in model.parameters()]
+        adam = {"adam_step": float(states[0]["step"]),
+                "moments": float(sum(s["exp_avg_sq"].double().sum() for s in states))}
     emit_final(hvd, opt, eval_loss,
-               checksum=float(sum(p.detach().double().sum() for p in model.parameters())))
+               checksum=float(sum(p.detach().double().sum() for p in model.parameters())), **adam)
 
 
 if __name__ == "__main__":

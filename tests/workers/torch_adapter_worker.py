@@ -263,12 +263,20 @@ def case_bad_policy():
 
 
 def case_adam():
-    """adascale_adam: statistics of the preconditioned gradient, lr x sqrt(gain), tau += gain."""
+    """adascale_adam: statistics of the preconditioned gradient once Adam's second moment has
+    history (step 21 on), lr x sqrt(gain), tau += gain; and plain adascale's sigma2 beside it."""
+    plain = make_model()
+    sgd = DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=LR),
+                               named_parameters=plain.named_parameters(), policy="adascale")
+    for step in range(4):
+        sgd.zero_grad()
+        loss_fn(plain, *micro_batch(hvd.rank(), step, 0)).backward()
+        sgd.step()
     model = make_model()
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                named_parameters=model.named_parameters(), policy="adascale_adam")
     rows = []
-    for step in range(4):
+    for step in range(24):
         opt.zero_grad()
         x, y = micro_batch(hvd.rank(), step, 0)
         loss_fn(model, x, y).backward()
@@ -285,6 +293,7 @@ def case_adam():
     expected = g / ((opt.state[p]["exp_avg_sq"] / bias_correction2).sqrt() + group["eps"])
     exact = torch.equal(opt._precondition(p, g, group), expected)
     emit("adam", rows=rows, lr=opt.param_groups[0]["lr"], precondition_exact=exact,
+         plain_sigma2=sgd.sigma2, history=opt.policy.MIN_ADAM_HISTORY,
          grad_untouched=torch.equal(g, g_before))
 
 
