@@ -10,7 +10,8 @@
         loss_fn(model(x), y).backward()
         opt.step()
 
-What this module does, and nothing more (the math is in the engine):
+What this module does, and nothing more: the four hooks of ``adapters/protocol.py`` in torch
+(the math is in the engine, the rest of a step in ``adapters/core.py``):
 
 * local statistics: a tensor hook on every parameter sees each backward pass's own gradient
   (before accumulation and before Horovod's allreduce) and keeps its norm, a 0-d tensor: no
@@ -18,8 +19,9 @@ What this module does, and nothing more (the math is in the engine):
 * the per-group sums of squared norms and the micro-batch count (the engine's layout) go out in one
   small asynchronous allreduce started just before Horovod waits on the gradients, so it is fused
   with the gradient traffic instead of adding a blocking collective;
-* |g_bar|^2 per group from the averaged gradient that Horovod leaves in ``p.grad``; the only host
-  transfer of the step brings these 2G + 1 numbers back;
+* ``p.grad`` becomes the mean of the step's micro-gradients (in place, on the device), and
+  |g_bar|^2 per group is taken from it; the only host transfer of the step brings these 2G + 1
+  numbers back;
 * the policy's lr factor multiplies each group's lr for the inner step, then the user's lr is
   restored, so torch lr schedulers keep working on the baseline lr.
 
