@@ -36,6 +36,9 @@ def main():
         mean = torch.stack(micro).mean(0)
         ref_gains.append(ref.update(float(sum(m @ m for m in micro)), float(mean @ mean), K))
         gains.append(opt.gain)
+    # The sets share no collective: keep both processes in the job until both are done (a worker
+    # that exits first shuts Horovod down under the other, whose set then reads "not registered").
+    hvd.allreduce(torch.zeros(1), name="both_done")
     emit_result(rank=hvd.rank(), scale=opt.scale, gains=gains, ref_gains=ref_gains,
                 sigma2=opt.sigma2, ref_sigma2=ref.sigma2,
                 moved=float(sum((p.detach() - w).abs().sum() for p, w in zip(model.parameters(), w0))))
