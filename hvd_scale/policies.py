@@ -10,7 +10,11 @@ Every policy turns the step count and (for AdaScale) the step's gradient statist
 | none          | 1                                      | S               |
 | linear        | S                                      | S               |
 | sqrt          | sqrt(S)                                | S               |
-| warmup        | 1 + (S - 1) min(1, t / span)           | S               |
+| power         | S^alpha                                | S               |
+| fixed         | a hand-tuned factor F                  | S               |
+| warmup        | 1 + (R(S) - 1) min(1, t / span)        | S               |
+|               |   R: linear (default), sqrt, power, fixed                |
+| legw          | sqrt(S) min(1, tau / (S W))            | S               |
 | adascale      | r = (sigma2 + mu2) / (sigma2/S + mu2)  | r               |
 | adascale_adam | sqrt(r), r from preconditioned grads   | r               |
 
@@ -93,6 +97,34 @@ def _theta(name: str, raw: str) -> float:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1)")
     return value
+
+
+def _positive(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"option {name}={raw!r}: expected a number > 0") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"option {name}={raw!r}: expected a number > 0")
+    return value
+
+
+def _exponent(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1]") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1] (0: none, "
+                         "0.5: sqrt, 1: linear)")
+    return value
+
+
+def _rule(name: str, raw: str) -> str:
+    rule = raw.strip().lower()
+    if rule not in FIXED_RULES:
+        raise ValueError(f"option {name}={raw!r}: expected one of {sorted(FIXED_RULES)}")
+    return rule
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -428,27 +460,78 @@ class SqrtScaling(Policy):
         return math.sqrt(self.scale)
 
 
+class FixedFactor(Policy):
+    name = "fixed"
+    description = ("lr x a hand-tuned factor at every scale (the seed's 'x 5 at 8 workers': "
+                   "fixed:factor=5)")
+    options = {"factor": (_positive, "the lr factor (required)")}
+
+    def __init__(self, *, scale, factor=None, **kw):
+        if factor is None:
+            raise ValueError("policy 'fixed' needs its factor: fixed:factor=F (F > 0)")
+        super().__init__(scale=scale, factor=factor, **kw)
+
+    def factor(self) -> float:
+        return self._options["factor"]
+
+
+class PowerScaling(Policy):
+    name = "power"
+    description = "lr x S^alpha (alpha 0.5 is sqrt, 1 is linear)"
+    options = {"alpha": (_exponent, "the exponent in [0, 1] (required)")}
+
+    def __init__(self, *, scale, alpha=None, **kw):
+        if alpha is None:
+            raise ValueError("policy 'power' needs its exponent: power:alpha=A (A in [0, 1])")
+        super().__init__(scale=scale, alpha=alpha, **kw)
+
+    def factor(self) -> float:
+        return self.scale ** self._options["alpha"]
+
+
+# The fixed rules a warm-up can ramp to: S -> the factor reached after the ramp.
+FIXED_RULES: dict[str, Callable[..., float]] = {
+    "linear": lambda S, **_: S,
+    "sqrt": lambda S, **_: math.sqrt(S),
+    "power": lambda S, alpha, **_: S ** alpha,
+    "fixed": lambda S, factor, **_: factor,
+}
+
+
 class WarmupScaling(Policy):
     name = "warmup"
-    description = ("linear rule reached by a linear ramp from 1 to S over a span of optimizer "
-                   "steps (default: the first 5.5% of the run, the AdaScale paper's LSW)")
+    description = ("a fixed rule (linear by default: the paper's LSW) reached by a linear ramp "
+                   "from 1 over a span of optimizer steps (default: the first 5.5% of the run)")
     options = {
         "steps": (_positive_int, "ramp length in optimizer steps"),
         "fraction": (_fraction, "ramp length as a fraction of the run's optimizer steps "
                                 "(budget / S); default 0.055"),
+        "rule": (_rule, "the rule ramped to: linear (default), sqrt, power, fixed"),
+        "alpha": (_exponent, "the exponent, with rule=power"),
+        "factor": (_positive, "the factor, with rule=fixed"),
     }
     DEFAULT_FRACTION = 0.055  # the AdaScale paper's LSW baseline
 
-    def __init__(self, *, scale, budget=None, steps=None, fraction=None, **kw):
+    def __init__(self, *, scale, budget=None, steps=None, fraction=None, rule=None, alpha=None,
+                 factor=None, **kw):
         if steps is not None and fraction is not None:
             raise ValueError("policy 'warmup' takes steps= or fraction=, not both")
+        needs = {"power": "alpha", "fixed": "factor"}
+        for option, value in (("alpha", alpha), ("factor", factor)):
+            if value is not None and needs.get(rule) != option:
+                raise ValueError(f"policy 'warmup': {option}= goes with rule="
+                                 f"{'power' if option == 'alpha' else 'fixed'}, got rule={rule}")
+        if rule in needs and {"alpha": alpha, "factor": factor}[needs[rule]] is None:
+            raise ValueError(f"policy 'warmup' with rule={rule} needs {needs[rule]}=")
         if steps is None and fraction is None:
             fraction = self.DEFAULT_FRACTION
         options = {"steps": steps} if steps is not None else {"fraction": fraction}
         if fraction is not None and budget is None:
             raise ValueError(f"policy 'warmup' with fraction={fraction} needs the run's budget "
                              "(baseline steps): pass budget=, or give warmup:steps=N")
-        super().__init__(scale=scale, budget=budget, **options, **kw)
+        extra = {k: v for k, v in (("rule", rule), ("alpha", alpha), ("factor", factor))
+                 if v is not None and not (k == "rule" and v == "linear")}
+        super().__init__(scale=scale, budget=budget, **options, **extra, **kw)
 
     @property
     def span(self) -> int:
@@ -457,8 +540,32 @@ class WarmupScaling(Policy):
             return self._options["steps"]
         return max(1, math.ceil(self._options["fraction"] * self.budget / self.scale))
 
+    @property
+    def target(self) -> float:
+        """The rule's factor at this S, reached at the end of the ramp."""
+        return FIXED_RULES[self._options.get("rule", "linear")](self.scale, **self._options)
+
     def factor(self) -> float:
-        return 1.0 + (self.scale - 1.0) * min(1.0, self.steps / self.span)
+        return 1.0 + (self.target - 1.0) * min(1.0, self.steps / self.span)
+
+
+class LEGW(Policy):
+    name = "legw"
+    description = ("Linear-Epoch Gradual Warm-up (You et al.; AdaptDL's LEGWScale): lr x sqrt(S) "
+                   "after a linear ramp whose length in baseline steps grows with S")
+    options = {"steps": (_positive_int, "warm-up length in baseline steps at S = 1 (required); "
+                                        "at scale S it is S x steps")}
+
+    def __init__(self, *, scale, steps=None, **kw):
+        if steps is None:
+            raise ValueError("policy 'legw' needs its base warm-up: legw:steps=N (baseline steps)")
+        super().__init__(scale=scale, steps=steps, **kw)
+
+    def factor(self) -> float:
+        # sqrt(S) x min(1, tau / (S W)) with tau counted after this step, so the first step's lr
+        # is not 0 (AdaptDL counts it before).
+        ramp = (self.progress + self.scale) / (self.scale * self._options["steps"])
+        return math.sqrt(self.scale) * min(1.0, ramp)
 
 
 class AdaScale(Policy):
@@ -518,6 +625,6 @@ class AdaScaleAdam(AdaScale):
 
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (NoScaling, LinearScaling, SqrtScaling, WarmupScaling, AdaScale,
-                              AdaScaleAdam)
+    cls.name: cls for cls in (NoScaling, LinearScaling, SqrtScaling, PowerScaling, FixedFactor,
+                              WarmupScaling, LEGW, AdaScale, AdaScaleAdam)
 }

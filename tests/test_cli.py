@@ -47,9 +47,11 @@ def test_missing_horovodrun_names_the_setup(monkeypatch, capsys):
 def test_policies_lists_every_policy_and_option(capsys):
     assert cli.main(["policies"]) == 0
     out = capsys.readouterr().out
-    for name in ("none", "linear", "sqrt", "warmup", "adascale", "adascale_adam"):
+    for name in ("none", "linear", "sqrt", "warmup", "adascale", "adascale_adam", "power", "fixed",
+                 "legw"):
         assert f"\n{name} " in "\n" + out
-    assert "warmup:fraction=" in out and "adascale:smoothing=" in out
+    assert "warmup:fraction=" in out and "adascale:smoothing=" in out and "warmup:rule=" in out
+    assert "fixed:factor=" in out and "power:alpha=" in out and "legw:steps=" in out
 
 
 @requires_horovod

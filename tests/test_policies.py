@@ -21,8 +21,13 @@ from hvd_scale.estimate import gain_ratio
 BUDGET = 1000.0
 
 # Every registered policy, built so that it needs nothing else (warm-up needs a budget or steps).
-SPECS = {name: name for name in available_policies()}
+# The practitioners' rules need their constant.
+REQUIRED = {"fixed": "fixed:factor=5", "power": "power:alpha=0.7", "legw": "legw:steps=10"}
+SPECS = {name: REQUIRED.get(name, name) for name in available_policies()}
 ALL_SPECS = sorted(set(SPECS.values()) | {"warmup:steps=3", "warmup:fraction=0.2",
+                                          "warmup:rule=sqrt,steps=4",
+                                          "warmup:rule=power,alpha=0.5,steps=4",
+                                          "warmup:rule=fixed,factor=5,steps=4",
                                           "adascale:smoothing=0.5", "adascale_adam:smoothing=0.9"})
 
 
@@ -37,8 +42,9 @@ def adam_statistics_from_the_first_step():
 
 
 def test_registry_is_what_the_reference_lists():
+    # The reference's rules, and the practitioners' (the seed's experiment).
     assert set(available_policies()) == {"none", "linear", "sqrt", "warmup", "adascale",
-                                         "adascale_adam"}
+                                         "adascale_adam", "power", "fixed", "legw"}
 
 
 def build(spec: str, scale: float) -> hvd_scale.Policy:
@@ -122,16 +128,23 @@ def test_rescale_keeps_progress_and_estimates(spec, scale, new_scale, data):
     gain = 1.0 if new_scale == 1 else gain_ratio(sigma2, mu2, new_scale)
     assert policy.gain == gain
     name = parse_spec(spec)[0]
+    options = parse_spec(spec)[1]
     promised = {
         "none": 1.0,
         "linear": new_scale,
         "sqrt": math.sqrt(new_scale),
+        "power": new_scale ** options.get("alpha", 0),
+        "fixed": options.get("factor"),
+        "legw": math.sqrt(new_scale) * min(1.0, (tau + new_scale) / (new_scale * options.get("steps", 1))),
         "adascale": gain,
         "adascale_adam": math.sqrt(gain),
     }
     if name == "warmup":
         span = policy.span
-        want = 1.0 + (new_scale - 1.0) * min(1.0, steps / span)
+        rule = options.get("rule", "linear")
+        target = promised["fixed"] if rule == "fixed" else (
+            new_scale ** options["alpha"] if rule == "power" else promised[rule])
+        want = 1.0 + (target - 1.0) * min(1.0, steps / span)
         assert policy.factor() == pytest.approx(want, rel=1e-15)
     else:
         assert policy.factor() == promised[name]
@@ -579,3 +592,43 @@ def test_agree_across_ranks_reports_another_ranks_error():
 def test_agree_across_ranks_single_process_raises_its_own_error():
     with pytest.raises(ValueError, match="unknown policy"):
         hvd_scale.policies.agree_across_ranks(lambda: hvd_scale.make_policy("sqtr", scale=2), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The practitioners' rules (the seed's answer): a hand-tuned factor, S^alpha, warm-up to any rule,
+# LEGW.
+
+def test_practitioners_rules_by_hand():
+    assert [make_policy("fixed:factor=5", scale=8).step().lr_factor for _ in range(2)] == [5, 5]
+    assert make_policy("power:alpha=0.5", scale=16).step().lr_factor == 4.0
+    assert make_policy("power:alpha=1", scale=16).step().lr_factor == 16.0
+    sqrt_warm = make_policy("warmup:rule=sqrt,steps=4", scale=16)
+    assert [sqrt_warm.step().lr_factor for _ in range(6)] == [1.0, 1.75, 2.5, 3.25, 4.0, 4.0]
+    fixed_warm = make_policy("warmup:rule=fixed,factor=5,steps=2", scale=8)
+    assert [fixed_warm.step().lr_factor for _ in range(3)] == [1.0, 3.0, 5.0]
+    # LEGW at S = 4 with a base warm-up of 2 baseline steps: sqrt(4) after 8 baseline steps.
+    legw = make_policy("legw:steps=2", scale=4)
+    infos = [legw.step() for _ in range(3)]
+    assert [i.lr_factor for i in infos] == [1.0, 2.0, 2.0] and infos[-1].progress == 12.0
+    # Every fixed rule's step consumes S baseline batches.
+    assert make_policy("fixed:factor=5", scale=8).step().progress == 8.0
+
+
+@pytest.mark.parametrize("spec, pattern", [
+    ("fixed", r"fixed:factor=F"),
+    ("fixed:factor=0", r"factor='0'.*> 0"),
+    ("power", r"power:alpha=A"),
+    ("power:alpha=1.5", r"alpha='1.5'.*\[0, 1\]"),
+    ("warmup:rule=cubic,steps=3", r"rule='cubic'.*\['fixed', 'linear', 'power', 'sqrt'\]"),
+    ("warmup:rule=power,steps=3", r"rule=power needs alpha="),
+    ("warmup:alpha=0.5,steps=3", r"alpha= goes with rule=power"),
+    ("warmup:rule=sqrt,factor=2,steps=3", r"factor= goes with rule=fixed"),
+    ("legw", r"legw:steps=N"),
+])
+def test_practitioners_rules_refuse_bad_specs(spec, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make_policy(spec, scale=4, budget=100)
+
+
+def test_warmup_rule_linear_is_the_plain_warmup():
+    assert make_policy("warmup:rule=linear,steps=3", scale=4).spec == "warmup:steps=3"

@@ -74,7 +74,12 @@ def test_each_policy_applies_its_factor(results):
     assert s == NP
     pol = r0["policies"]
     expected = {"none": [1, 1, 1], "linear": [s] * 3, "sqrt": [math.sqrt(s)] * 3,
-                "warmup:steps=2": [1, 1 + (s - 1) / 2, s]}
+                "warmup:steps=2": [1, 1 + (s - 1) / 2, s],
+                # the practitioners' rules: S^alpha, a hand-tuned factor, sqrt after a ramp,
+                # LEGW (sqrt(S) x min(1, tau / (S x 2)), tau counted after the step)
+                "power:alpha=0.7": [s ** 0.7] * 3, "fixed:factor=3": [3] * 3,
+                "warmup:rule=sqrt,steps=2": [1, 1 + (math.sqrt(s) - 1) / 2, math.sqrt(s)],
+                "legw:steps=2": [math.sqrt(s) * min(1, (t + s) / (2 * s)) for t in (0, s, 2 * s)]}
     for spec, factors in expected.items():
         assert [round(f, 6) for f in pol[spec]["factors"]] == pytest.approx(factors, rel=1e-6), spec
         assert pol[spec]["lrs"] == [LR] * 3, spec

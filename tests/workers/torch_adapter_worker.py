@@ -115,7 +115,8 @@ def case_reference(k, divide_loss):
 def case_policies():
     """Each policy's factor is what the parameters moved by; the user's lr comes back."""
     out = {}
-    for spec in ["none", "linear", "sqrt", "warmup:steps=2", "adascale"]:
+    for spec in ["none", "linear", "sqrt", "warmup:steps=2", "adascale", "power:alpha=0.7",
+                 "fixed:factor=3", "warmup:rule=sqrt,steps=2", "legw:steps=2"]:
         model = make_model()
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
                                    named_parameters=model.named_parameters(), policy=spec)
