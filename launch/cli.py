@@ -1,44 +1,73 @@
-"""``hvd-scale``: run a training script under horovodrun with a policy, list the policies, check
-the environment and plot runs.
+"""``hvd-scale``: run a training script under horovodrun (or on Ray or Spark) with a policy, list
+the policies, check the environment and plot runs.
 
     hvd-scale run -np 2 --policy adascale --log-dir runs/ada -- python train.py --budget 3000
+    hvd-scale run --engine ray -np 2 --policy adascale -- python train.py --budget 3000
     hvd-scale policies
     hvd-scale check
     hvd-scale plot runs/ada runs/linear -o compare.png
 
 ``run`` validates the policy spec before anything starts, then hands it (and the log directory) to
-every worker through ``HVD_SCALE_POLICY`` and ``HVD_SCALE_LOG_DIR``, which the adapters read.
+every worker through ``HVD_SCALE_POLICY`` and ``HVD_SCALE_LOG_DIR``, which the adapters read. The
+engines (horovodrun, ray, spark) and their protocol live in launch/engines.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
+import subprocess  # noqa: F401  (the horovodrun engine calls subprocess.call; tests patch it here)
 import sys
 from typing import Sequence
 
-from hvd_scale.metrics import LOG_DIR_ENV
-from hvd_scale.policies import POLICY_ENV, describe_policies, parse_spec
+from hvd_scale.launch import engines
+from hvd_scale.policies import describe_policies, parse_spec
 
-DESCRIPTION = ("Run a training script under horovodrun with a learning-rate scaling policy, list "
-               "the policies, check the environment, and plot runs.")
-SETUP_HINT = "run `make setup` (or `bash launch/setup_env.sh`) in the hvd_scale repository"
+DESCRIPTION = ("Run a training script under horovodrun, Ray or Spark with a learning-rate scaling "
+               "policy, list the policies, check the environment, and plot runs.")
+SETUP_HINT = engines.SETUP_HINT
 
-# Defaults for CPU jobs, each only when the user has not set it (benchmarks/results/overhead.md):
-# - one BLAS/OpenMP thread per worker: the workers already use every core between them, and more
-#   threads oversubscribe the cores and slow every collective down;
-# - a 5 ms Horovod cycle instead of 1 ms: each worker's background thread wakes every cycle, and
-#   on a small CPU machine those wake-ups compete with the compute; measured on 2 cores, plain
-#   Horovod steps took 0.69x (CNN) and 0.78x (MLP) the time of the default, hvd_scale adascale
-#   steps 0.77x and 0.78x.
-CPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
+# The environment every worker gets, and how each engine starts them: launch/engines.py.
+# CPU_ENV_DEFAULTS (one BLAS thread per worker, a 5 ms Horovod cycle) is defined and explained
+# there.
+CPU_ENV_DEFAULTS = engines.CPU_ENV_DEFAULTS
+
+# Options that only some engines take: option -> (attribute, the engines that take it).
+ENGINE_OPTIONS = {
+    "-H/--hosts": ("hosts", ("horovodrun",)),
+    "--gloo/--mpi": ("controller", ("horovodrun",)),
+    "--ray-address": ("ray_address", ("ray",)),
+    "--spark-master": ("spark_master", ("spark",)),
+    "--min-np": ("min_np", ("horovodrun", "ray")),
+    "--max-np": ("max_np", ("horovodrun", "ray")),
+}
 
 
 def _horovodrun() -> str | None:
-    here = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    return here if os.path.exists(here) else shutil.which("horovodrun")
+    return engines.find_horovodrun()
+
+
+def _usage_error(message: str) -> int:
+    print(f"hvd-scale run: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_engine_options(args: argparse.Namespace) -> str | None:
+    """Why these options cannot go together, or None."""
+    for option, (attr, takers) in ENGINE_OPTIONS.items():
+        if getattr(args, attr) is not None and args.engine not in takers:
+            return (f"{option} is for --engine {' or '.join(takers)}, not --engine {args.engine}")
+    if args.horovodrun_args and args.engine != "horovodrun":
+        return (f"unrecognized arguments for --engine {args.engine}: "
+                f"{' '.join(args.horovodrun_args)} (only horovodrun takes options of its own)")
+    if args.max_np is not None and args.min_np is None:
+        return "--max-np needs --min-np (an elastic job's lower bound)"
+    if args.min_np is not None and args.max_np is not None and args.min_np > args.max_np:
+        return f"--min-np {args.min_np} is above --max-np {args.max_np}"
+    if args.engine == "ray" and args.min_np is not None and args.np is not None:
+        return ("-np does not go with --min-np/--max-np on --engine ray: the elastic job runs as "
+                "many workers as the cluster has slots for, from --min-np up to --max-np")
+    return None
 
 
 def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
@@ -52,29 +81,34 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         except ValueError as e:
             print(f"hvd-scale run: bad --policy: {e}", file=sys.stderr)
             return 2
-    horovodrun = _horovodrun()
-    if horovodrun is None:
-        print(f"hvd-scale run: horovodrun not found: {SETUP_HINT}", file=sys.stderr)
-        return 127
-    np_ = args.np
-    cmd = [horovodrun, "-np", str(np_), "-H", args.hosts or f"localhost:{np_}"]
-    if args.controller:
-        cmd.append(f"--{args.controller}")
-    cmd += args.horovodrun_args
-    cmd += command
-    env = dict(os.environ)
-    for key, value in CPU_ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    if args.policy is not None:
-        env[POLICY_ENV] = args.policy
-    if args.log_dir is not None:
-        env[LOG_DIR_ENV] = os.path.abspath(args.log_dir)
-        os.makedirs(env[LOG_DIR_ENV], exist_ok=True)
-    # horovodrun passes the environment through to every worker (Gloo and MPI).
+    problem = _check_engine_options(args)
+    if problem:
+        return _usage_error(problem)
+    if args.engine == "horovodrun":
+        horovodrun = _horovodrun()
+        if horovodrun is None:
+            print(f"hvd-scale run: horovodrun not found: {SETUP_HINT}", file=sys.stderr)
+            return 127
+        options = dict(hosts=args.hosts, controller=args.controller,
+                       extra_args=args.horovodrun_args, executable=horovodrun)
+    elif args.engine == "ray":
+        options = dict(address=args.ray_address)
+    else:
+        options = dict(master=args.spark_master)
+    np_ = args.np if args.np is not None or args.min_np is not None else 1
     try:
-        return subprocess.call(cmd, env=env)
+        return engines.run_command(command, np=np_, engine=args.engine, policy=args.policy,
+                                   log_dir=args.log_dir, min_np=args.min_np, max_np=args.max_np,
+                                   **options)
+    except engines.EngineUnavailable as e:
+        print(f"hvd-scale run: {e}", file=sys.stderr)
+        return 127
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # the engine's own failure (a lost worker, a cluster that did not start)
+        print(f"hvd-scale run: the {args.engine} job failed: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 1
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
@@ -138,13 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
                "python train.py. See `hvd-scale COMMAND --help` for each command.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="Run COMMAND under horovodrun with a policy.",
-                         description="Run COMMAND on every worker under horovodrun, with the "
-                                     "policy and log directory handed to the adapters.",
-                         usage="hvd-scale run [-np N] [-H HOSTS] [--gloo|--mpi] [--policy SPEC] "
-                               "[--log-dir DIR] [horovodrun options] -- COMMAND...")
-    run.add_argument("-np", "--num-proc", dest="np", type=int, default=1,
+    run = sub.add_parser("run", help="Run COMMAND on every worker with a policy.",
+                         description="Run COMMAND on every worker, under horovodrun (the default), "
+                                     "on a Ray cluster or on Spark, with the policy and log "
+                                     "directory handed to the adapters.",
+                         usage="hvd-scale run [-np N] [--engine {horovodrun,ray,spark}] "
+                               "[-H HOSTS] [--gloo|--mpi] [--policy SPEC] [--log-dir DIR] "
+                               "[--min-np N --max-np N] [--ray-address ADDR] "
+                               "[--spark-master URL] [horovodrun options] -- COMMAND...")
+    run.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
                      help="Worker processes (default 1).")
+    run.add_argument("--engine", choices=sorted(engines.ENGINES), default="horovodrun",
+                     help="What starts the workers: horovodrun (the default), a Ray cluster "
+                          "(horovod.ray) or Spark (horovod.spark).")
     run.add_argument("-H", "--hosts", default=None,
                      help="Hosts as horovodrun takes them (default localhost:N).")
     group = run.add_mutually_exclusive_group()
@@ -156,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="The policy spec, for example adascale or warmup:fraction=0.055.")
     run.add_argument("--log-dir", default=None,
                      help="Where rank 0 writes per-step metrics (CSV and TensorBoard).")
+    run.add_argument("--min-np", type=int, default=None,
+                     help="Elastic: the fewest workers the job runs with (horovodrun, ray).")
+    run.add_argument("--max-np", type=int, default=None,
+                     help="Elastic: the most workers the job grows to (horovodrun, ray).")
+    run.add_argument("--ray-address", default=None,
+                     help="The Ray cluster to join, for example ray://head:10001 or auto "
+                          "(default: a local cluster started for the job).")
+    run.add_argument("--spark-master", default=None,
+                     help="The Spark master, for example spark://head:7077 (default local[N]).")
 
     sub.add_parser("policies", help="List the policies and their options.")
     sub.add_parser("check", help="Show Horovod's build, the frameworks and the slots.")
@@ -180,8 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Unknown options before `--` are horovodrun's own (e.g. --timeline-filename f.json).
         args, extra = parser.parse_known_args(argv)
         args.horovodrun_args = extra
-        if args.np < 1:
-            parser.error(f"-np must be >= 1, got {args.np}")
+        for option, value in (("-np", args.np), ("--min-np", args.min_np),
+                              ("--max-np", args.max_np)):
+            if value is not None and value < 1:
+                parser.error(f"{option} must be >= 1, got {value}")
         return cmd_run(args, command)
     args = parser.parse_args(argv)
     if command:

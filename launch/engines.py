@@ -1,0 +1,554 @@
+"""Launch engines: how ``hvd-scale run`` and ``engines.run`` start the Horovod workers.
+
+An engine runs N workers of an unchanged training command, or of a Python function, with the
+environment hvd_scale hands to workers (``HVD_SCALE_POLICY``, ``HVD_SCALE_LOG_DIR`` and
+``CPU_ENV_DEFAULTS``, all in ``Job.env``), and returns the command's exit status or the function's
+per-rank results. The shared half below (``run``, ``run_command``) builds the ``Job`` and calls
+only the four hooks of ``Engine``; it knows nothing else of horovodrun, Ray or Spark:
+
+    engine.start(job)               bring up what the workers need (a Ray cluster, a SparkSession)
+    engine.run(fn, args, job)       fn(*args) on every worker; the results in rank order
+    engine.run_command(cmd, job)    the command on every worker; its exit status
+    engine.shutdown()               undo start; always called, after a failure too
+
+    from hvd_scale.launch import engines
+    results = engines.run(train, args=(cfg,), np=2, engine="ray", policy="adascale")
+    code = engines.run_command(["python", "train.py"], np=2, engine="spark", master="local[2]")
+
+Three engines: ``horovodrun`` (the command under horovodrun, as ``hvd-scale run`` always did),
+``ray`` (``horovod.ray.RayExecutor``: on the cluster at ``address``, else on a local one the engine
+starts and stops; elastic with ``min_np``/``max_np``) and ``spark`` (``horovod.spark.run`` on a
+SparkSession, ``local[N]`` unless ``master`` says otherwise). Ray and Spark run a command through
+``command_worker``: each worker starts it as a child process with its own environment (where
+horovod.ray and horovod.spark put the Gloo rendezvous: ``HOROVOD_RANK``, ``HOROVOD_SIZE``,
+``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``, ``HOROVOD_GLOO_IFACE``, ...) plus ``Job.env``, and
+returns its exit code and output, which ``run_command`` prints tagged by rank the way horovodrun
+does (``[0]<stdout>:...``), once the job is over. Ray, pyspark and horovod.ray/spark are imported
+only inside their engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+from hvd_scale.metrics import LOG_DIR_ENV
+from hvd_scale.policies import POLICY_ENV, parse_spec
+
+# Defaults for CPU jobs, each only when the user has not set it (benchmarks/results/overhead.md):
+# - one BLAS/OpenMP thread per worker: the workers already use every core between them, and more
+#   threads oversubscribe the cores and slow every collective down;
+# - a 5 ms Horovod cycle instead of 1 ms: each worker's background thread wakes every cycle, and
+#   on a small CPU machine those wake-ups compete with the compute; measured on 2 cores, plain
+#   Horovod steps took 0.69x (CNN) and 0.78x (MLP) the time of the default, hvd_scale adascale
+#   steps 0.77x and 0.78x.
+CPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
+
+SETUP_HINT = "run `make setup` (or `bash launch/setup_env.sh`) in the hvd_scale repository"
+INSTALL_HINTS = {
+    "ray": "pip install 'ray==2.60.0'",
+    "spark": "pip install 'pyspark==4.3.0' pyarrow (and Java 17)",
+}
+# A local Ray cluster's object store: Ray's default is 30% of the memory, far more than per-rank
+# results (or a command's output) need; 256 MiB keeps a small machine's memory for the workers.
+RAY_OBJECT_STORE_BYTES = 256 * 1024 ** 2
+# Workers of a fixed-size job when np is not given.
+DEFAULT_NP = 2
+# Seconds for the workers to start and meet (Ray: Gloo rendezvous; Spark: tasks registering).
+START_TIMEOUT_S = 120
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine's software is missing here; the message says what to install."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What the shared half hands every hook: how many workers and what they get.
+
+    np: workers of a fixed-size job. min_np/max_np: an elastic job (min_np workers at least, up to
+    max_np; np, when set, is where horovodrun starts it). env: the variables every worker (and a
+    command's process) gets on top of its own environment. cwd: where a command runs.
+    """
+
+    np: int | None
+    env: Mapping[str, str]
+    min_np: int | None = None
+    max_np: int | None = None
+    cwd: str = dataclasses.field(default_factory=os.getcwd)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_np is not None or self.max_np is not None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The hooks a launch engine implements; ``run`` and ``run_command`` call nothing else."""
+
+    name: str
+
+    def start(self, job: Job) -> None:
+        """Bring up what the workers need (connect to or start a cluster, a SparkSession).
+
+        Raises EngineUnavailable when the engine's software is missing, ValueError when the job
+        asks for something the engine cannot do (e.g. an elastic job on Spark)."""
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], job: Job) -> list[Any]:
+        """Call fn(*args) once on every worker, with job.env in the worker's environment;
+        return the results in rank order."""
+
+    def run_command(self, command: Sequence[str], job: Job) -> int:
+        """Run the command once on every worker, with job.env on top of the worker's environment
+        and the Horovod rendezvous variables; return its exit status (0 when every rank
+        succeeded). Engines without a launcher of their own return
+        ``command_via_workers(self, command, job)``."""
+
+    def shutdown(self) -> None:
+        """Release what start brought up; called once after start, also when start or the job
+        failed (so it must cope with a start that stopped half-way)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The shared half: calls only the hooks above.
+
+def worker_env(policy: str | None = None, log_dir: str | os.PathLike | None = None,
+               environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables hvd_scale hands every worker: CPU_ENV_DEFAULTS (the driver's own value where
+    it has one), the policy spec and the absolute log directory (created here)."""
+    environ = os.environ if environ is None else environ
+    env = {key: environ.get(key, value) for key, value in CPU_ENV_DEFAULTS.items()}
+    if policy is not None:
+        parse_spec(policy)  # a bad spec is a ValueError before anything starts
+        env[POLICY_ENV] = policy
+    if log_dir is not None:
+        env[LOG_DIR_ENV] = os.path.abspath(os.fspath(log_dir))
+        os.makedirs(env[LOG_DIR_ENV], exist_ok=True)
+    return env
+
+
+def make_job(np: int | None = None, policy: str | None = None, log_dir=None,
+             min_np: int | None = None, max_np: int | None = None) -> Job:
+    """A Job after checking the numbers; ValueError names what is wrong."""
+    for name, value in (("np", np), ("min_np", min_np), ("max_np", max_np)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if max_np is not None and min_np is None:
+        raise ValueError(f"max_np={max_np} needs min_np (an elastic job's lower bound)")
+    if min_np is not None and max_np is not None and min_np > max_np:
+        raise ValueError(f"min_np must be <= max_np, got min_np={min_np}, max_np={max_np}")
+    if np is None and min_np is None:
+        np = DEFAULT_NP
+    return Job(np=np, env=worker_env(policy, log_dir), min_np=min_np, max_np=max_np)
+
+
+def make_engine(engine: str | Engine, **options: Any) -> Engine:
+    """An engine by name (ENGINES) with its options, or an Engine instance as it is."""
+    if isinstance(engine, str):
+        try:
+            factory = ENGINES[engine]
+        except KeyError:
+            raise ValueError(f"unknown engine {engine!r}; choose one of "
+                             f"{', '.join(sorted(ENGINES))}") from None
+        return factory(**options)
+    if options:
+        raise TypeError(f"engine options {sorted(options)} go with an engine name, "
+                        f"not with an Engine instance ({type(engine).__name__})")
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a name or implement Engine (start, run, run_command, "
+                        f"shutdown), got {type(engine).__name__}")
+    return engine
+
+
+def run(fn: Callable[..., Any], args: Sequence[Any] = (), np: int | None = None,
+        engine: str | Engine = "ray", policy: str | None = None, log_dir=None, *,
+        min_np: int | None = None, max_np: int | None = None, **engine_options: Any) -> list[Any]:
+    """Run fn(*args) on np Horovod workers (default 2) of `engine`; the per-rank results.
+
+    policy and log_dir reach every worker as HVD_SCALE_POLICY and HVD_SCALE_LOG_DIR, which the
+    adapters read. min_np/max_np make the job elastic (Ray: RayExecutor's min/max workers).
+    engine_options go to the engine: ray (address, num_cpus, cpus_per_worker, nics, timeout_s),
+    spark (master, start_timeout, nics, verbose), horovodrun (hosts, controller).
+    """
+    job = make_job(np, policy, log_dir, min_np, max_np)
+    eng = make_engine(engine, **engine_options)
+    try:
+        eng.start(job)
+        return eng.run(fn, tuple(args), job)
+    finally:
+        eng.shutdown()
+
+
+def run_command(command: Sequence[str], np: int | None = None, engine: str | Engine = "horovodrun",
+                policy: str | None = None, log_dir=None, *, min_np: int | None = None,
+                max_np: int | None = None, **engine_options: Any) -> int:
+    """Run an unchanged training command on np workers of `engine`; its exit status."""
+    if not command:
+        raise ValueError("give the command to run")
+    job = make_job(np, policy, log_dir, min_np, max_np)
+    eng = make_engine(engine, **engine_options)
+    try:
+        eng.start(job)
+        return eng.run_command(list(command), job)
+    finally:
+        eng.shutdown()
+
+
+def command_worker(command: Sequence[str], env: Mapping[str, str], cwd: str | None) -> dict:
+    """Runs in a worker: the command as a child process with the worker's environment (the
+    engine's Horovod rendezvous variables) plus `env`; its rank, exit code and output."""
+    child_env = dict(os.environ)
+    child_env.update(env)
+    proc = subprocess.run(list(command), env=child_env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, errors="replace",
+                          cwd=cwd if cwd and os.path.isdir(cwd) else None,
+                          preexec_fn=_die_with_parent())
+    return {"rank": int(os.environ.get("HOROVOD_RANK", "-1")), "returncode": proc.returncode,
+            "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that has the child killed when its worker dies (Linux), so a worker that Ray
+    or Spark kills leaves no training process behind."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def command_via_workers(engine: Engine, command: Sequence[str], job: Job) -> int:
+    """run_command for an engine that runs functions only: command_worker on every worker, each
+    rank's output printed with horovodrun's tags, and the first non-zero exit code (else 0)."""
+    results = engine.run(command_worker, (list(command), dict(job.env), job.cwd), job)
+    return report(results)
+
+
+def report(results: Sequence[Mapping[str, Any]], out=None, err=None) -> int:
+    """Print command_worker results as horovodrun (Gloo) tags its ranks' lines:
+    ``[RANK]<stdout>:LINE`` to stdout, ``[RANK]<stderr>:LINE`` to stderr. The exit status: the
+    first non-zero exit code in rank order, else 0."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    status = 0
+    for r in sorted(results, key=lambda r: r["rank"]):
+        for stream, text in ((out, r["stdout"]), (err, r["stderr"])):
+            tag = f"[{r['rank']}]<{'stdout' if stream is out else 'stderr'}>:"
+            for line in text.splitlines():
+                stream.write(tag + line + "\n")
+        if r["returncode"] != 0 and status == 0:
+            status = r["returncode"] if r["returncode"] > 0 else 128 - r["returncode"]
+    out.flush()
+    err.flush()
+    return status
+
+
+def _call_with_env(fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str, str]) -> Any:
+    """Runs in a worker: job.env into its environment, then fn(*args)."""
+    os.environ.update(env)
+    return fn(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# horovodrun
+
+def find_horovodrun() -> str | None:
+    """horovodrun beside this Python (a venv's bin/), else on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    return here if os.path.exists(here) else shutil.which("horovodrun")
+
+
+HOSTNAME_CHECK_TIMEOUT_S = 10
+
+
+def remote_hostnames(hosts: str | None, extra_args: Sequence[str]) -> dict[str, str]:
+    """{host: the hostname it reports} for the hosts of a multi-host -H, over ssh with the port
+    and key horovodrun is given (-p/--ssh-port, -i/--ssh-identity-file). Unreachable: left out
+    (horovodrun reports those itself)."""
+    names = [h.rsplit(":", 1)[0] for h in (hosts or "").split(",") if h]
+    if len(names) < 2:
+        return {}
+    ssh = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={HOSTNAME_CHECK_TIMEOUT_S}"]
+    args = list(extra_args)
+    for flags, ssh_flag in ((("-p", "--ssh-port"), "-p"), (("-i", "--ssh-identity-file"), "-i")):
+        for i, a in enumerate(args[:-1]):
+            if a in flags:
+                ssh += [ssh_flag, args[i + 1]]
+    found = {}
+    for host in names:
+        try:
+            out = subprocess.run(ssh + [host, "hostname"], capture_output=True, text=True,
+                                 timeout=HOSTNAME_CHECK_TIMEOUT_S + 5, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and out.stdout.strip():
+            found[host] = out.stdout.strip()
+    return found
+
+
+def warn_shared_hostnames(hosts: str | None, extra_args: Sequence[str], out=None) -> bool:
+    """Warn when two hosts of -H report the same hostname: Horovod 0.28.1 resolves
+    gethostname() in one Gloo set-up path, so such hosts fail with a Gloo connection error to
+    127.0.0.1 that names neither host. Returns whether it warned."""
+    seen: dict[str, list[str]] = {}
+    for host, name in remote_hostnames(hosts, extra_args).items():
+        seen.setdefault(name, []).append(host)
+    shared = {name: hs for name, hs in seen.items() if len(hs) > 1}
+    for name, hs in shared.items():
+        print(f"hvd-scale run: warning: hosts {', '.join(hs)} all report the hostname {name!r}; "
+              "Horovod 0.28.1 resolves the hostname in one Gloo path and such a job fails with "
+              "'Connection refused' on 127.0.0.1: give each host its own hostname",
+              file=out or sys.stderr)
+    return bool(shared)
+
+
+class HorovodrunEngine:
+    """The command under ``horovodrun`` (a function under ``horovod.run``), which hands the
+    environment to every worker (Gloo and MPI). hosts: ``-H`` (default localhost:N); controller:
+    "gloo", "mpi" or None (horovodrun's choice); extra_args: any other horovodrun options."""
+
+    name = "horovodrun"
+
+    def __init__(self, hosts: str | None = None, controller: str | None = None,
+                 extra_args: Sequence[str] = (), executable: str | None = None):
+        if controller not in (None, "gloo", "mpi"):
+            raise ValueError(f"controller must be 'gloo', 'mpi' or None, got {controller!r}")
+        self.hosts, self.controller = hosts, controller
+        self.extra_args = list(extra_args)
+        self.executable = executable
+
+    def start(self, job: Job) -> None:
+        self.executable = self.executable or find_horovodrun()
+        if self.executable is None:
+            raise EngineUnavailable(f"horovodrun not found: {SETUP_HINT}")
+
+    def command_line(self, command: Sequence[str], job: Job) -> list[str]:
+        cmd = [self.executable]
+        if job.np is not None:
+            cmd += ["-np", str(job.np)]
+        if job.min_np is not None:
+            cmd += ["--min-np", str(job.min_np)]
+        if job.max_np is not None:
+            cmd += ["--max-np", str(job.max_np)]
+        # Elastic discovery or a hostfile (the MPI Operator's /etc/mpi/hostfile) replaces -H.
+        if not {"--host-discovery-script", "--hostfile", "-hostfile"} & set(self.extra_args):
+            cmd += ["-H", self.hosts or f"localhost:{job.np or job.max_np or job.min_np}"]
+        if self.controller:
+            cmd.append(f"--{self.controller}")
+        return cmd + self.extra_args + list(command)
+
+    def run_command(self, command: Sequence[str], job: Job) -> int:
+        env = dict(os.environ)
+        env.update(job.env)
+        warn_shared_hostnames(self.hosts, self.extra_args)
+        try:
+            return subprocess.call(self.command_line(command, job), env=env)
+        except KeyboardInterrupt:
+            return 130
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], job: Job) -> list[Any]:
+        import horovod.runner
+
+        saved = dict(os.environ)
+        os.environ.update(job.env)  # horovod.run hands os.environ to the workers
+        try:
+            return horovod.runner.run(
+                fn, args=tuple(args), num_proc=job.np, min_num_proc=job.min_np,
+                max_num_proc=job.max_np,
+                hosts=self.hosts or f"localhost:{job.np or job.max_np or job.min_np}",
+                use_gloo=self.controller == "gloo" or None,
+                use_mpi=self.controller == "mpi" or None)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Ray
+
+class RayEngine:
+    """Workers as Ray actors through ``horovod.ray.RayExecutor``.
+
+    address: an existing cluster to join (``ray.init(address=...)``; it stays up afterwards).
+    Without one, a process already connected to Ray (``ray.init`` called) keeps and uses that
+    connection; otherwise the engine starts a local cluster (num_cpus: default the larger of the
+    cores and the workers) whose files live in a temporary directory removed at shutdown, with
+    Ray's auth token and usage reporting off (RAY_AUTH_MODE=disabled, RAY_USAGE_STATS_ENABLED=0,
+    unless set). Elastic jobs (min_np/max_np) use RayExecutor's min_workers/max_workers; on one
+    machine Horovod needs the NIC named, so a local cluster gets nics={"lo"} unless nics says
+    otherwise (on a real cluster, name the NIC the hosts share).
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None,
+                 cpus_per_worker: int = 1, nics: set[str] | None = None,
+                 timeout_s: int = START_TIMEOUT_S,
+                 object_store_memory: int | None = RAY_OBJECT_STORE_BYTES):
+        self.address, self.num_cpus = address, num_cpus
+        self.cpus_per_worker, self.nics, self.timeout_s = cpus_per_worker, nics, timeout_s
+        self.object_store_memory = object_store_memory
+        self._executor = None
+        self._temp_dir: str | None = None
+        self._connected = False
+
+    def start(self, job: Job) -> None:
+        try:
+            import ray
+            from horovod.ray import RayExecutor
+        except ImportError as e:
+            raise EngineUnavailable(f"the ray engine needs ray and horovod.ray ({e}): "
+                                    f"{INSTALL_HINTS['ray']}") from None
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if self.address is None and ray.is_initialized():
+            nics = self.nics  # the caller's own Ray connection: used as it is, left up
+        elif self.address is not None:
+            ray.init(address=self.address, log_to_driver=True)
+            self._connected = True
+            nics = self.nics
+        else:
+            workers = max(n for n in (job.np, job.min_np, job.max_np, 1) if n is not None)
+            # Short: Ray's Unix sockets live below it (a path of at most 107 bytes).
+            self._temp_dir = tempfile.mkdtemp(prefix="hvdray-")
+            ray.init(num_cpus=self.num_cpus or max(os.cpu_count() or 1,
+                                                   workers * self.cpus_per_worker),
+                     include_dashboard=False, object_store_memory=self.object_store_memory,
+                     _temp_dir=self._temp_dir, log_to_driver=True)
+            self._connected = True
+            nics = self.nics or {"lo"}
+        settings = RayExecutor.create_settings(timeout_s=self.timeout_s, nics=nics)
+        if job.elastic:
+            executor = RayExecutor(settings, min_workers=job.min_np, max_workers=job.max_np,
+                                   cpus_per_worker=self.cpus_per_worker, use_gpu=False)
+        else:
+            executor = RayExecutor(settings, num_workers=job.np,
+                                   cpus_per_worker=self.cpus_per_worker, use_gpu=False)
+        executor.start(extra_env_vars=dict(job.env))
+        self._executor = executor
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], job: Job) -> list[Any]:
+        return self._executor.run(_call_with_env, args=[fn, tuple(args), dict(job.env)])
+
+    def run_command(self, command: Sequence[str], job: Job) -> int:
+        return command_via_workers(self, command, job)
+
+    def shutdown(self) -> None:
+        try:
+            if self._executor is not None:
+                try:
+                    self._executor.shutdown()
+                except Exception:  # an elastic driver that never finished; ray.shutdown cleans up
+                    pass
+                self._executor = None
+        finally:
+            if self._connected:
+                import ray
+
+                ray.shutdown()
+                self._connected = False
+            if self._temp_dir is not None:
+                shutil.rmtree(self._temp_dir, ignore_errors=True)
+                self._temp_dir = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Spark
+
+class SparkEngine:
+    """One Spark task per worker through ``horovod.spark.run`` (Gloo).
+
+    master: the Spark master (default ``local[N]``). An active SparkSession is used as it is when
+    master is not given, and left running; otherwise the engine builds one and stops it at
+    shutdown. A local master binds 127.0.0.1, without the web UI, with its scratch files
+    (spark.local.dir, java.io.tmpdir) in a temporary directory removed at shutdown and no JVM
+    performance-data files (-XX:-UsePerfData). conf: more Spark settings, applied last.
+    """
+
+    name = "spark"
+
+    def __init__(self, master: str | None = None, start_timeout: int = START_TIMEOUT_S,
+                 nics: set[str] | None = None, verbose: int = 1,
+                 conf: Mapping[str, str] | None = None):
+        self.master, self.start_timeout = master, start_timeout
+        self.nics, self.verbose = nics, verbose
+        self.conf = dict(conf or {})
+        self._session = None
+        self._owns_session = False
+        self._temp_dir: str | None = None
+
+    def start(self, job: Job) -> None:
+        if job.elastic:
+            raise ValueError("the spark engine runs fixed-size jobs: give np, not min_np/max_np "
+                             "(elastic jobs: the ray or horovodrun engine)")
+        try:
+            from pyspark.sql import SparkSession
+            import horovod.spark  # noqa: F401
+        except ImportError as e:
+            raise EngineUnavailable(f"the spark engine needs pyspark and horovod.spark ({e}): "
+                                    f"{INSTALL_HINTS['spark']}") from None
+        active = SparkSession.getActiveSession()
+        if self.master is None and active is not None:
+            self._session = active
+            return
+        master = self.master or f"local[{job.np}]"
+        builder = SparkSession.builder.master(master).appName("hvd-scale")
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        if master.startswith("local"):
+            # The launcher JVM (spark-class) would write /tmp/hsperfdata_$USER otherwise.
+            os.environ.setdefault("SPARK_LAUNCHER_OPTS", "-XX:-UsePerfData")
+            self._temp_dir = tempfile.mkdtemp(prefix="hvdspark-")
+            conf = {
+                "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+                "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+                "spark.local.dir": self._temp_dir,
+                "spark.sql.warehouse.dir": os.path.join(self._temp_dir, "warehouse"),
+                "spark.driver.extraJavaOptions":
+                    f"-Djava.io.tmpdir={self._temp_dir} -XX:-UsePerfData",
+            }
+        else:
+            conf = {}
+        conf.update(self.conf)
+        for key, value in conf.items():
+            builder = builder.config(key, value)
+        self._session = builder.getOrCreate()
+        self._owns_session = True
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], job: Job) -> list[Any]:
+        import horovod.spark
+
+        return horovod.spark.run(_call_with_env, args=(fn, tuple(args), dict(job.env)),
+                                 num_proc=job.np, use_gloo=True, env=dict(job.env),
+                                 start_timeout=self.start_timeout, nics=self.nics,
+                                 verbose=self.verbose)
+
+    def run_command(self, command: Sequence[str], job: Job) -> int:
+        return command_via_workers(self, command, job)
+
+    def shutdown(self) -> None:
+        try:
+            if self._owns_session and self._session is not None:
+                self._session.stop()
+        finally:
+            self._session, self._owns_session = None, False
+            if self._temp_dir is not None:
+                shutil.rmtree(self._temp_dir, ignore_errors=True)
+                self._temp_dir = None
+
+
+ENGINES: dict[str, Callable[..., Engine]] = {
+    "horovodrun": HorovodrunEngine,
+    "ray": RayEngine,
+    "spark": SparkEngine,
+}
