@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("policies", help="List the policies and their options.")
     sub.add_parser("check", help="Show Horovod's build, the frameworks and the slots.")
 
+    from hvd_scale.launch import build_horovod  # standard library only: cheap to import
+
+    build = sub.add_parser(
+        "build-horovod", help="Build and install the patched Horovod 0.28.1 for this environment.",
+        description=build_horovod.__doc__.split("\n\n")[0])
+    build_horovod.add_arguments(build)
+
     plot = sub.add_parser("plot", help="Plot runs' gain, lr, tau and loss.")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                       help="Directories written with --log-dir.")
@@ -237,6 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if command:
         parser.error(f"`--` is only for `hvd-scale run`, got {' '.join(command)}")
+    if args.command == "build-horovod":
+        from hvd_scale.launch import build_horovod
+
+        return build_horovod.run(args)
     return {"policies": cmd_policies, "check": cmd_check, "plot": cmd_plot}[args.command](args)
 
 
