@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # Re-run the (idempotent) set-up when the stamp is missing or older than what defines the environment.
-$(STAMP): launch/setup_env.sh launch/horovod_build_fix.py pyproject.toml
+$(STAMP): launch/setup_env.sh launch/build_horovod.py launch/horovod_build_fix.py pyproject.toml
 	bash launch/setup_env.sh
 	touch $@
 

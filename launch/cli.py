@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser(
         "build-horovod", help="Build and install the patched Horovod 0.28.1 for this environment.",
-        description=build_horovod.__doc__.split("\n\n")[0])
+        description=build_horovod.DESCRIPTION, epilog=build_horovod.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     build_horovod.add_arguments(build)
 
     plot = sub.add_parser("plot", help="Plot runs' gain, lr, tau and loss.")

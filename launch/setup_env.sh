@@ -3,10 +3,11 @@
 #
 #   bash launch/setup_env.sh            # idempotent: fast when everything is already there
 #
-# Horovod 0.28.1 has no wheels on PyPI: its sdist is downloaded, checked against a pinned sha256,
-# patched by launch/horovod_build_fix.py and built once (~15-20 minutes on 2 cores). The wheel is
-# cached outside the repository, keyed by the Horovod, torch, TensorFlow and Python versions, so
-# later set-ups (and CI runs on the same machine) only install it.
+# Horovod 0.28.1 has no wheels on PyPI: launch/build_horovod.py downloads its sdist, checks it
+# against a pinned sha256, patches it with launch/horovod_build_fix.py and builds it once (about
+# 10 minutes on 2 cores). The wheel is cached outside the repository, keyed by the Horovod, torch,
+# TensorFlow and Python versions and the fix, so later set-ups (and CI runs on the same machine)
+# only install it.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,20 +15,42 @@ VENV="${HVD_SCALE_VENV:-$ROOT/.venv}"
 CACHE="${HVD_SCALE_CACHE:-$HOME/.cache/hvd_scale}"
 PYTHON="${PYTHON:-python3.11}"
 
-HOROVOD_VERSION=0.28.1
-HOROVOD_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
+# Horovod 0.28.1 and its sdist's sha256 are pinned in launch/build_horovod.py.
 TORCH_VERSION=2.13.0            # the CPU wheel on this machine's disk; never a CUDA build
 TENSORFLOW_SPEC='tensorflow-cpu==2.21.*'
+# Installed only when not there at these versions; pyarrow 25.0.1 is the newest on this machine's
+# disk (PyPI has 26, which works too).
+EXTRA_PINS=(ray==2.60.0 pyspark==4.3.0 pyarrow==25.0.1)
 
 log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 start=$(date +%s)
 
-# 1. Debian's OpenMPI: Horovod's MPI controller and mpi4py build against it.
-if ! command -v mpicxx >/dev/null || ! command -v mpirun >/dev/null; then
-    log "installing Debian's OpenMPI"
+# 1. Debian's packages: OpenMPI (Horovod's MPI controller and mpi4py build against it), an SSH
+#    server (multi-host tests start their own sshd) and a Java runtime (pyspark), each only when
+#    missing. No service is left running: Debian's postinst would start sshd.
+APT=()
+{ command -v mpicxx && command -v mpirun; } >/dev/null || APT+=(libopenmpi-dev openmpi-bin)
+[ -x /usr/sbin/sshd ] || APT+=(openssh-server)
+command -v java >/dev/null || APT+=(default-jre-headless)
+if [ ${#APT[@]} -gt 0 ]; then
+    log "installing Debian's ${APT[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null
+    # policy-rc.d exiting 101 tells invoke-rc.d not to start services (Docker images have one).
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+        chmod +x /usr/sbin/policy-rc.d
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
+    apt-get install -y -qq "${APT[@]}" >/dev/null
+    # A package marked installed whose files were removed (a trimmed image) needs --reinstall.
+    [ -x /usr/sbin/sshd ] || apt-get install -y -qq --reinstall openssh-server >/dev/null
+    if [ "$(trap -p EXIT)" ]; then rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
+    # Should a postinst have started sshd all the same, stop it.
+    if [ -f /run/sshd.pid ] && kill -0 "$(cat /run/sshd.pid)" 2>/dev/null; then
+        log "stopping the sshd that the installation started"
+        kill "$(cat /run/sshd.pid)"
+    fi
 fi
 command -v cmake >/dev/null || NEED_CMAKE=1
 
@@ -37,53 +60,37 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# The optional integrations the tests use (pyproject.toml's `ray` and `spark` extras), added to
+# the resolver run below only when not installed at these versions (the pyspark sdist is big).
+mapfile -t EXTRAS < <("$VENV/bin/python" - "${EXTRA_PINS[@]}" <<'PY'
+import importlib.metadata as m, sys
+for spec in sys.argv[1:]:
+    name, version = spec.split("==")
+    try:
+        ok = m.version(name) == version
+    except m.PackageNotFoundError:
+        ok = False
+    if not ok:
+        print(spec)
+PY
+)
 # One resolver run (each pip call costs seconds); torch is pinned in it, so nothing can
 # resolve it to a (CUDA) build from PyPI.
 "${PIP[@]}" install 'setuptools>=68' wheel ${NEED_CMAKE:+'cmake>=3.13'} \
     "torch==$TORCH_VERSION" "$TENSORFLOW_SPEC" 'numpy>=1.26' \
     pytest pytest-timeout hypothesis tqdm matplotlib tensorboard scikit-learn mnist1d \
-    cffi cloudpickle psutil pyyaml packaging
+    cffi cloudpickle psutil pyyaml packaging ${EXTRAS[@]+"${EXTRAS[@]}"}
 # mpi4py from source, so it links Debian's OpenMPI (the one horovodrun --mpi uses).
 if ! "$VENV/bin/python" -c 'import mpi4py' 2>/dev/null; then
     log "building mpi4py against OpenMPI"
     "${PIP[@]}" install --no-binary mpi4py mpi4py
 fi
 
-# 3. Horovod: the cached wheel, or build it.
-TORCH_V=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
-TF_V=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu"))')
-PY_V=$("$VENV/bin/python" -c 'import sys; print("%d%d" % sys.version_info[:2])')
-KEY="horovod-$HOROVOD_VERSION-torch-$TORCH_V-tf-$TF_V-py$PY_V-fix-$(sha256sum "$ROOT/launch/horovod_build_fix.py" | cut -c1-12)"
-WHEEL_DIR="$CACHE/wheels/$KEY"
-installed=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
-if [ "$installed" != "$HOROVOD_VERSION" ] || [ ! -f "$VENV/.horovod-key" ] || [ "$(cat "$VENV/.horovod-key")" != "$KEY" ]; then
-    if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-        log "no cached Horovod wheel for $KEY: building it (takes ~15-20 minutes on 2 cores)"
-        build=$(mktemp -d)
-        trap 'rm -rf "$build"' EXIT
-        "${PIP[@]}" download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$build"
-        sdist="$build/horovod-$HOROVOD_VERSION.tar.gz"
-        echo "$HOROVOD_SHA256  $sdist" | sha256sum -c --quiet -
-        tar xzf "$sdist" -C "$build"
-        "$VENV/bin/python" "$ROOT/launch/horovod_build_fix.py" "$build/horovod-$HOROVOD_VERSION"
-        mkdir -p "$build/wheel"
-        (
-            cd "$build/horovod-$HOROVOD_VERSION"
-            export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
-                   HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1
-            export MAKEFLAGS="-j$(nproc)"
-            # --no-build-isolation: an isolated build cannot see torch ("Could NOT find Pytorch").
-            PATH="$VENV/bin:$PATH" "${PIP[@]}" wheel --no-build-isolation --no-deps -w "$build/wheel" . \
-                > "$build/build.log" 2>&1 || { tail -50 "$build/build.log"; exit 1; }
-        )
-        mkdir -p "$WHEEL_DIR"
-        cp "$build"/wheel/horovod-*.whl "$WHEEL_DIR/"
-        log "cached $(ls "$WHEEL_DIR")"
-    fi
-    log "installing Horovod from $WHEEL_DIR"
-    "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
-    echo "$KEY" > "$VENV/.horovod-key"
-fi
+# 3. Horovod: the cached wheel, or build it. launch/build_horovod.py (`hvd-scale build-horovod`)
+# does it for any environment; here with both frameworks and MPI required. It keys the cache as
+# horovod-0.28.1-torch-T-tf-TF-pyXY-fix-<sha256 of horovod_build_fix.py, 12 hex>, checks
+# the sdist against its pinned sha256, and does nothing when $VENV/.horovod-key already matches.
+"$VENV/bin/python" "$ROOT/launch/build_horovod.py" --with torch,tensorflow,mpi --cache-dir "$CACHE"
 
 # 4. The project itself, editable.
 "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
