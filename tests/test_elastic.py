@@ -20,7 +20,7 @@ TORCH, KERAS = "elastic_worker.py", "elastic_keras_worker.py"
 
 
 def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | None = None,
-                worker_args=(), worker=TORCH, env=None):
+                worker_args=(), worker=TORCH, env=None, min_np=2):
     tmp_path.mkdir(parents=True, exist_ok=True)
     hosts = tmp_path / "hosts"
     hosts.write_text(hosts_text or f"localhost:{start}\n")
@@ -32,7 +32,7 @@ def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | 
         [sys.executable, str(WORKERS_DIR / worker), "--hosts-file", str(hosts),
          "--budget", str(BUDGET), *resize, *worker_args],
         np=start, hosts=False, timeout=150, env=env,
-        hvd_args=["--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discover),
+        hvd_args=["--min-np", str(min_np), "--max-np", "3", "--host-discovery-script", str(discover),
                   "--network-interfaces", "lo"])
     results = worker_results(proc)
     finals = [r for r in results if r["kind"] == "final"]

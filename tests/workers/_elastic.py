@@ -11,6 +11,7 @@ import sys
 import time
 
 _SEQUENCE = itertools.count()
+_FIRST_RANK = []  # this process's rank at its first step (ranks change on a resize)
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -21,6 +22,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--die-on-host", default=None,
                    help="the worker on this host name crashes (os._exit(1)) at --die-at")
     p.add_argument("--die-at", type=int, default=None)
+    p.add_argument("--die-first-rank", type=int, default=None,
+                   help="the worker whose first rank was this one crashes at --die-at")
     p.add_argument("--budget", type=float, required=True)
     p.add_argument("--step-sleep", type=float, default=0.3,
                    help="seconds per step, so the driver (polling hosts every second) sees the resize mid-run")
@@ -38,9 +41,13 @@ def after_step(hvd, args, state, opt) -> None:
     """Report the step; crash or resize once when asked; slow down. Between step and commit."""
     emit(hvd, kind="step", step=opt.policy.steps, size=hvd.size(), scale=opt.scale,
          progress=opt.progress, gain=opt.gain)
+    if not _FIRST_RANK:
+        _FIRST_RANK.append(hvd.rank())
     if (args.die_on_host and os.environ.get("HOROVOD_HOSTNAME") == args.die_on_host
             and opt.policy.steps >= args.die_at):
         os._exit(1)  # a crash: no goodbye to the others
+    if args.die_first_rank == _FIRST_RANK[0] and opt.policy.steps >= args.die_at:
+        os._exit(1)
     if args.resize_at is not None and not state.resized and opt.policy.steps >= args.resize_at:
         state.resized = True  # on every rank, so the flag is committed alike
         if hvd.rank() == 0:
