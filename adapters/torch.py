@@ -130,6 +130,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                         self._hooks.append(p.register_hook(self._make_norm_hook(gi, p, len(self._fired))))
                         self._fired.append(0)
         self._fired_total = 0
+        self._all_gradients = len(self._hooks) * backward_passes_per_step  # a full step's
 
     @property
     def policy(self) -> Policy:
@@ -152,8 +153,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             norms.append(self._norm(g))
             self._fired[index] += 1
             self._fired_total += 1
-            if self._fired_total == len(self._hooks) * self.backward_passes_per_step \
-                    and self._stats_handle is None:
+            if self._fired_total == self._all_gradients and self._stats_handle is None:
                 # The step's last gradient: this hook runs before Horovod's hook enqueues its
                 # allreduce, so the statistics are in Horovod's queue no later than the last
                 # gradient and never wait a cycle for themselves. (Otherwise, with parameters
