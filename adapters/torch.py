@@ -228,8 +228,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             return  # Adasum combines the workers' gradients its own way: left as it is
         k, workers = self.backward_passes_per_step, self.scaling.hvd.size()
         per_worker_mean = self._op == hvd.Average
-        if per_worker_mean and k == 1 and count is None:
-            return  # one pass everywhere: already the mean
+        if per_worker_mean and k == 1:
+            return  # one pass on every worker (Horovod's own contract at k = 1): already the mean
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return
