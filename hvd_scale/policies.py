@@ -69,55 +69,25 @@ class StepInfo:
 
 # -- spec parsing ------------------------------------------------------------------------------
 
-def _positive_int(name: str, raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"option {name}={raw!r}: expected a whole number > 0") from None
-    if value <= 0:
-        raise ValueError(f"option {name}={raw!r}: expected a whole number > 0")
-    return value
+def _number_option(convert: Callable[[str], Any], accept: Callable[[Any], bool], expected: str):
+    """An option parser: ``convert`` the text, keep the value when ``accept`` says so."""
+    def parse(name: str, raw: str):
+        try:
+            value = convert(raw)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise ValueError(f"option {name}={raw!r}: expected {expected}")
+        return value
+    return parse
 
 
-def _fraction(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"option {name}={raw!r}: expected a number in (0, 1]") from None
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"option {name}={raw!r}: expected a number in (0, 1]")
-    return value
-
-
-def _theta(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1)") from None
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1)")
-    return value
-
-
-def _positive(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"option {name}={raw!r}: expected a number > 0") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"option {name}={raw!r}: expected a number > 0")
-    return value
-
-
-def _exponent(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1]") from None
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"option {name}={raw!r}: expected a number in [0, 1] (0: none, "
-                         "0.5: sqrt, 1: linear)")
-    return value
+_positive_int = _number_option(int, lambda v: v > 0, "a whole number > 0")
+_fraction = _number_option(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+_theta = _number_option(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+_positive = _number_option(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
+_exponent = _number_option(float, lambda v: 0.0 <= v <= 1.0,
+                           "a number in [0, 1] (0: none, 0.5: sqrt, 1: linear)")
 
 
 def _rule(name: str, raw: str) -> str:

@@ -176,12 +176,23 @@ def run_horovod(
             f"horovodrun not found at {HOROVODRUN}: {horovod_missing_reason() or 'run make setup'}"
         )
     cmd = horovodrun_command(args, np=np, controller=controller, hosts=hosts, hvd_args=hvd_args)
+    return run_process(cmd, timeout=timeout, env=worker_env(env), cwd=cwd, check=check,
+                       what="Horovod job")
+
+
+def run_process(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
+                cwd: str | os.PathLike | None = None, check: bool = True,
+                what: str = "command") -> subprocess.CompletedProcess:
+    """Run cmd in a session of its own with a wall-clock limit, capturing its output. On
+    time-out, interruption (pytest-timeout) or a failure with check, its whole process tree is
+    killed (a rank may outlive a failed launcher) and AssertionError carries the output tails."""
+    cmd = [str(c) for c in cmd]
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=worker_env(env),
+        env=dict(env) if env is not None else worker_env(),
         cwd=str(cwd) if cwd is not None else str(REPO_ROOT),
         start_new_session=True,
         text=True,
@@ -193,7 +204,7 @@ def run_horovod(
         _kill_tree(proc)
         stdout, stderr = proc.communicate()
         raise AssertionError(
-            _describe(cmd, f"Horovod job timed out after {timeout} s (process tree killed)",
+            _describe(cmd, f"{what} timed out after {timeout} s (process tree killed)",
                       stdout, stderr)
         ) from None
     except BaseException:  # pytest-timeout, KeyboardInterrupt: leave no workers behind
@@ -202,8 +213,9 @@ def run_horovod(
         raise
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and result.returncode != 0:
+        _kill_tree(proc)
         raise AssertionError(
-            _describe(cmd, f"Horovod job failed with exit code {result.returncode}", stdout, stderr)
+            _describe(cmd, f"{what} failed with exit code {result.returncode}", stdout, stderr)
         )
     return result
 

@@ -104,6 +104,23 @@ def netns_pids(ns: str) -> list[int]:
     return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
 
 
+def kill_namespaces(namespaces, keep=frozenset(), rounds: int = 50) -> list[int]:
+    """SIGKILL everything in the namespaces but ``keep``, until none is left (ranks can start
+    while others die); returns what was still there after ``rounds`` tries."""
+    pids: list[int] = []
+    for _ in range(rounds):
+        pids = [p for name in namespaces for p in netns_pids(name) if p not in keep]
+        if not pids:
+            return []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    return pids
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -188,17 +205,7 @@ class TwoHosts:
 
     def kill_jobs(self) -> None:
         """SIGKILL everything in both namespaces except the two sshd listeners."""
-        keep = {p.pid for p in self.sshd.values()}
-        for _ in range(50):
-            pids = [p for h in self.ns for p in self.pids(h) if p not in keep]
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
+        kill_namespaces(self.ns.values(), keep={p.pid for p in self.sshd.values()})
 
     def _start(self, host: str, cmd: Sequence[str], env: Mapping[str, str] | None,
                cwd: str | os.PathLike | None, merge: bool) -> subprocess.Popen:
@@ -341,18 +348,9 @@ def _teardown(ns: dict[str, str], sshd: dict[str, subprocess.Popen], dropin: Pat
               tmp: Path | None, made_netns_etc: bool) -> list[str]:
     """Take everything down; each step runs whatever failed before. Returns what went wrong."""
     errors = []
-    for _ in range(50):  # everything in the namespaces: ranks, ssh sessions, the sshds
-        pids = [p for name in ns.values() for p in netns_pids(name)]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-    else:
-        errors.append(f"processes left in {list(ns.values())}: {pids}")
+    left = kill_namespaces(ns.values())  # everything: ranks, ssh sessions, the sshds
+    if left:
+        errors.append(f"processes left in {list(ns.values())}: {left}")
     for p in sshd.values():
         try:
             p.kill()

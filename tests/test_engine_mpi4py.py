@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-from hvdrun import (BIN_DIR, HOROVODRUN, REPO_ROOT, _describe, _horovod_required, _kill_tree,
-                    run_horovod, worker_env, worker_results)
+from hvdrun import (BIN_DIR, HOROVODRUN, REPO_ROOT, _horovod_required, run_horovod, run_process,
+                    worker_env, worker_results)
 
 EXAMPLE = REPO_ROOT / "examples" / "numpy_mpi.py"
 NP, PASSES, BUDGET = 2, 2, 120
@@ -48,24 +48,7 @@ requires_horovodrun = pytest.mark.skipif(not HOROVODRUN.exists() and not _horovo
 
 def run(cmd: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     """Run cmd in its own session; on time-out, failure or interruption kill its whole tree."""
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=worker_env(ENV), cwd=str(REPO_ROOT),
-                            start_new_session=True, text=True, errors="replace")
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(_describe(cmd, f"timed out after {timeout} s (process tree killed)",
-                                       stdout, stderr)) from None
-    except BaseException:  # pytest-timeout, KeyboardInterrupt: leave no rank behind
-        _kill_tree(proc)
-        proc.communicate()
-        raise
-    if proc.returncode != 0:
-        _kill_tree(proc)  # a rank may outlive a failed launcher
-        raise AssertionError(_describe(cmd, f"exited {proc.returncode}", stdout, stderr))
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return run_process(cmd, timeout=timeout, env=worker_env(ENV), cwd=REPO_ROOT)
 
 
 def mpirun_command(np_: int) -> list[str]:

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from hvd_scale.launch import cli, engines
-from hvdrun import (REPO_ROOT, WORKERS_DIR, _describe, _horovod_required, _kill_tree,
-                    requires_horovod, worker_env, worker_results)
+from hvdrun import (REPO_ROOT, WORKERS_DIR, _horovod_required, requires_horovod, run_process,
+                    worker_env, worker_results)
 
 HVD_SCALE = Path(sys.executable).parent / "hvd-scale"
 MNIST = ["examples/torch_mnist1d.py", "--budget", "200", "--samples", "2000", "--log-every", "0"]
@@ -285,26 +285,9 @@ def confined(tmp_path):
 
     def run(args, timeout: float, env=None) -> subprocess.CompletedProcess:
         cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', *map(str, args)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=REPO_ROOT, start_new_session=True,
-                                env=worker_env({"TMPDIR": temp, "HVD_SCALE_TEST_DIR": str(tmp_path),
-                                                **(env or {})}),
-                                text=True, errors="replace")
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc)
-            stdout, stderr = proc.communicate()
-            raise AssertionError(_describe(cmd, f"timed out after {timeout} s (tree killed)",
-                                           stdout, stderr)) from None
-        except BaseException:
-            _kill_tree(proc)
-            proc.communicate()
-            raise
-        result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-        if result.returncode != 0:
-            raise AssertionError(_describe(cmd, f"exit code {result.returncode}", stdout, stderr))
-        return result
+        return run_process(cmd, timeout=timeout, cwd=REPO_ROOT,
+                           env=worker_env({"TMPDIR": temp, "HVD_SCALE_TEST_DIR": str(tmp_path),
+                                           **(env or {})}))
 
     yield run
     leftovers = _processes_naming(temp)
