@@ -87,8 +87,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         process_set = horovod_options.get("process_set", hvd.global_process_set)
         # S, n, the agreement and the statistics live within the process set, as the gradients do.
         self._process_set = process_set
-        self.scaling = Scaling(_ProcessSetBinding(process_set), policy=policy, passes=backward_passes_per_step, scale=scale,
-                               budget=budget, optimizer_name=type(optimizer).__name__,
+        self.scaling = Scaling(_ProcessSetBinding(process_set), policy=policy,
+                               passes=backward_passes_per_step, scale=scale, budget=budget, optimizer_name=type(optimizer).__name__,
                                framework="torch", groups=len(optimizer.param_groups),
                                base_lrs=[g.get("lr") for g in optimizer.param_groups],
                                measure=measure, log_dir=log_dir, nonfinite=nonfinite,
@@ -113,14 +113,14 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self.state = self._hvd_opt.state
 
         self._norms: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
-        float64 = any(p.dtype == torch.float64 for g in self.param_groups for p in g["params"])
+        float64 = any(p.dtype == torch.float64 for p in self._params())
         self._stats_dtype = torch.float64 if float64 else torch.float32
         self._pending: torch.Tensor | None = None  # this step's [sums, count, q] after synchronize
         self._stats_handle = None  # the statistics allreduce in flight
         self._synchronized = False
         self._skip_sync = False
         # Parameters Horovod and the hooks know: a later unfreezing is refused at the next step.
-        self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        self._frozen = [p for p in self._params() if not p.requires_grad]
         self._hooks = []
         self._fired: list[int] = []  # per hooked parameter: its gradients since the last step
         if self._measure:
@@ -131,6 +131,16 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                         self._fired.append(0)
         self._fired_total = 0
         self._all_gradients = len(self._hooks) * backward_passes_per_step  # a full step's
+
+    def _params(self):
+        return (p for group in self.param_groups for p in group["params"])
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params() if p.grad is not None]
+
+    def _reset_counts(self) -> None:
+        self._fired = [0] * len(self._fired)
+        self._fired_total = 0
 
     @property
     def policy(self) -> Policy:
@@ -192,8 +202,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         for norms in self._norms:
             norms.clear()
         count = torch.tensor(float(max(self._fired, default=0)), dtype=dt)
-        self._fired = [0] * len(self._fired)
-        self._fired_total = 0
+        self._reset_counts()
         return torch.stack(sums + [count])
 
     def mean_sqnorms(self) -> torch.Tensor:
@@ -230,7 +239,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         per_worker_mean = self._op == hvd.Average
         if per_worker_mean and k == 1:
             return  # one pass on every worker (Horovod's own contract at k = 1): already the mean
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = self._grads()
         if not grads:
             return
         if count is None:
@@ -308,7 +317,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         return self.apply_step(factor, closure)
 
     def _grads_finite(self) -> bool:
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = self._grads()
         return not grads or bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
 
     def apply_step(self, lr_factor: float, closure=None):
@@ -351,7 +360,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
         self.scaling.policy = policy
         self._pending, self._synchronized = None, False
-        self._fired, self._fired_total = [0] * len(self._fired), 0
+        self._reset_counts()
         if self._stats_handle is not None:  # a step's statistics in flight: finish, then drop them
             hvd.synchronize(self._stats_handle)
             self._stats_handle = None

@@ -207,9 +207,13 @@ class Policy:
     options: ClassVar[dict[str, tuple]] = {}  # option -> (parser, help)
     uses_statistics: ClassVar[bool] = False   # the lr needs per-step gradient statistics
     statistics: ClassVar[str] = "plain"       # 'preconditioned': norms of the Adam-scaled gradient
+    required: ClassVar[dict[str, str]] = {}   # option -> usage, for options without a default
 
     def __init__(self, *, scale: float, budget: float | None = None, smoothing: float | None = None,
                  **options: Any):
+        for option, usage in self.required.items():
+            if options.get(option) is None:
+                raise ValueError(f"policy {self.name!r} needs its {option}: {usage}")
         self._options = options
         self._smoothing = smoothing
         self.budget = None if budget is None else float(budget)
@@ -435,11 +439,7 @@ class FixedFactor(Policy):
     description = ("lr x a hand-tuned factor at every scale (the seed's 'x 5 at 8 workers': "
                    "fixed:factor=5)")
     options = {"factor": (_positive, "the lr factor (required)")}
-
-    def __init__(self, *, scale, factor=None, **kw):
-        if factor is None:
-            raise ValueError("policy 'fixed' needs its factor: fixed:factor=F (F > 0)")
-        super().__init__(scale=scale, factor=factor, **kw)
+    required = {"factor": "fixed:factor=F (F > 0)"}
 
     def factor(self) -> float:
         return self._options["factor"]
@@ -449,11 +449,7 @@ class PowerScaling(Policy):
     name = "power"
     description = "lr x S^alpha (alpha 0.5 is sqrt, 1 is linear)"
     options = {"alpha": (_exponent, "the exponent in [0, 1] (required)")}
-
-    def __init__(self, *, scale, alpha=None, **kw):
-        if alpha is None:
-            raise ValueError("policy 'power' needs its exponent: power:alpha=A (A in [0, 1])")
-        super().__init__(scale=scale, alpha=alpha, **kw)
+    required = {"alpha": "power:alpha=A (A in [0, 1])"}
 
     def factor(self) -> float:
         return self.scale ** self._options["alpha"]
@@ -525,11 +521,7 @@ class LEGW(Policy):
                    "after a linear ramp whose length in baseline steps grows with S")
     options = {"steps": (_positive_int, "warm-up length in baseline steps at S = 1 (required); "
                                         "at scale S it is S x steps")}
-
-    def __init__(self, *, scale, steps=None, **kw):
-        if steps is None:
-            raise ValueError("policy 'legw' needs its base warm-up: legw:steps=N (baseline steps)")
-        super().__init__(scale=scale, steps=steps, **kw)
+    required = {"steps": "legw:steps=N (the base warm-up, baseline steps)"}
 
     def factor(self) -> float:
         # sqrt(S) x min(1, tau / (S W)) with tau counted after this step, so the first step's lr
