@@ -48,10 +48,11 @@ class FrameworkOptimizer(Protocol):
     ``torch.optim.Optimizer``, a ``keras.optimizers.Optimizer``) and holds a ``core.Scaling``.
     """
 
-    def local_statistics(self) -> Any:
+    def local_statistics(self, *framework_args: Any) -> Any:
         """This worker's ``[s_0..s_{G-1}, c]`` for the step: s_j sums the squared norms of each
         micro-batch's own gradient in group j (taken before accumulation and before the
-        allreduce), c counts the micro-batches."""
+        allreduce), c counts the micro-batches. (torch keeps the sums from its hooks; Keras
+        passes them in, as a traced graph's tensors.)"""
 
     def start_statistics(self) -> Any:
         """Start the reduction of ``[s_0..s_{G-1}, c]`` over workers (``hvd_scale.reduce``'s

@@ -187,9 +187,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         variables = [v for _, v in pairs]
         with keras.name_scope(self.name, caller=self):
             if self.backward_passes_per_step == 1:
-                self._local_sums = self._sqnorm_of(grads, variables) if self.scaling.measure else None
-                self._local_count = 1.0
-                self._step(grads, variables)
+                local = self._sqnorm_of(grads, variables) if self.scaling.measure else None
+                self._step(grads, variables, local, 1.0)
             else:
                 self._accumulate(grads, variables)
 
@@ -202,10 +201,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         self._micro_steps.assign_add(1)
 
         def step():
-            self._local_sums = ops.convert_to_tensor(self._local_sqnorm.value) \
-                if self.scaling.measure else None
-            self._local_count = ops.cast(self._micro_steps.value, "float64")
-            self._step([ops.convert_to_tensor(acc.value) for acc in accumulators], variables)
+            local = ops.convert_to_tensor(self._local_sqnorm.value) if self.scaling.measure else None
+            self._step([ops.convert_to_tensor(acc.value) for acc in accumulators], variables, local,
+                       ops.cast(self._micro_steps.value, "float64"))
             for acc in accumulators:
                 acc.assign(ops.zeros_like(acc.value))
             self._local_sqnorm.assign(ops.convert_to_tensor(0.0, "float64"))
@@ -214,17 +212,18 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         ops.cond(self._micro_steps.value >= self.backward_passes_per_step, step, lambda: None)
 
     # -- the protocol's hooks (adapters/protocol.py) ----------------------------------------------
-    def local_statistics(self):
+    def local_statistics(self, local_sqnorm, count):
         """[s, c]: this worker's summed squared micro-gradient norms and its micro-batch count."""
-        return ops.stack([self._local_sums, ops.cast(self._local_count, "float64")])
+        return ops.stack([local_sqnorm, ops.cast(count, "float64")])
 
-    def start_statistics(self, local_grads):
+    def start_statistics(self, local_grads, local_sqnorm, count):
         """One grouped allreduce (op=Average) of the gradients and, when measured, [s, c] in their
         dtype (so that it joins their group). Returns (mean gradients, [s, c] summed or None)."""
         tensors = list(local_grads)
         if self.scaling.measure:
             float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
-            tensors.append(ops.cast(self.local_statistics(), "float64" if float64 else "float32"))
+            tensors.append(ops.cast(self.local_statistics(local_sqnorm, count),
+                                    "float64" if float64 else "float32"))
         reduced = self._backend.allreduce_average(tensors, ALLREDUCE_NAME)
         mean = reduced[:len(local_grads)]
         if self.backward_passes_per_step > 1:  # the mean micro-gradient
@@ -248,9 +247,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         finally:
             object.__setattr__(owner, "_learning_rate", saved)
 
-    def _step(self, local_grads, variables):
+    def _step(self, local_grads, variables, local_sqnorm, count):
         """One optimizer step from this worker's summed micro-gradients and statistics."""
-        mean, summed = self.start_statistics(local_grads)
+        mean, summed = self.start_statistics(local_grads, local_sqnorm, count)
         if summed is not None:
             stats = ops.concatenate([summed, self.mean_sqnorms(mean, variables)])
             finite = ops.convert_to_tensor(True)  # the host checks the statistics themselves
