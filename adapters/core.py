@@ -13,7 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hvd_scale.metrics import LOG_DIR_ENV, MetricsLogger
+from hvd_scale.guard import SharpnessGuard, stability_limit
+from hvd_scale.metrics import GUARD_METRICS, LOG_DIR_ENV, MetricsLogger
 from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_policy
 from hvd_scale.reduce import unpack_step
 
@@ -54,13 +55,21 @@ class Scaling:
             (torch: a leftover batch at an epoch's end; uneven passes across ranks); such a step
             is accounted at its own scale, S x n / (workers x k). Else a count other than
             workers x k is an error.
+        guard: a ``hvd_scale.guard.SharpnessGuard`` capping lr x factor; the adapter measures
+            the sharpness when ``guard_due()`` and hands it to ``guard.update``.
     """
 
     def __init__(self, hvd, *, policy: str | Policy | None, passes: int, scale: float | None,
                  budget: float | None, optimizer_name: str, framework: str, groups: int = 1,
                  base_lrs: Sequence[Any] = (), measure: bool | None = None,
-                 log_dir: str | None = None, nonfinite: str = "skip", short_steps: bool = False):
+                 log_dir: str | None = None, nonfinite: str = "skip", short_steps: bool = False,
+                 guard: SharpnessGuard | None = None):
         self.hvd = hvd
+        if guard is not None:
+            if not isinstance(guard, SharpnessGuard):
+                raise TypeError(f"guard must be a hvd_scale.guard.SharpnessGuard, got {type(guard).__name__}")
+            stability_limit(1.0, optimizer=optimizer_name)  # an optimizer it has no limit for: now
+        self.guard = guard
         self.passes = check_passes(passes)
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
@@ -124,18 +133,20 @@ class Scaling:
                                          "(pass nonfinite='skip' to skip such steps)")
             self.policy.skip()
             return 0.0
+        cap = None if self.guard is None else self.guard.max_factor(base_lr)
         if statistics is None:
-            info = self.policy.step()
+            info = self.policy.step(max_factor=cap)
         else:
             sqnorm_sum, n, mean_sqnorm = unpack_step(values, self.groups, loss_scale)
             expected = self._world_size * self.passes
             if n == expected:
-                info = self.policy.step(sqnorm_sum, mean_sqnorm, n)
+                info = self.policy.step(sqnorm_sum, mean_sqnorm, n, max_factor=cap)
             elif self.short_steps and 1 <= n < expected:
                 # Each micro-batch is worth S / (workers x k) baseline batches: so is the step.
                 try:
                     info = self.policy.step(sqnorm_sum, mean_sqnorm, n,
-                                            scale=max(1.0, self.policy.scale * n / expected))
+                                            scale=max(1.0, self.policy.scale * n / expected),
+                                            max_factor=cap)
                 except ValueError as e:
                     raise ValueError(f"hvd_scale: a short step of {n} backward pass(es) in all "
                                      f"({self._world_size} workers x {self.passes} announced) "
@@ -147,6 +158,10 @@ class Scaling:
         if self.logger is not None:
             self.logger.log(self.metrics())
         return info.lr_factor
+
+    def guard_due(self) -> bool:
+        """The next step should measure the sharpness first (alike on every rank)."""
+        return self.guard is not None and self.guard.due(self.policy.steps)
 
     def skip(self) -> None:
         """A step measured but never applied (an AMP overflow skipped it)."""
@@ -169,8 +184,11 @@ class Scaling:
 
     # -- what is read --------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        """``hvd_scale.metrics.STEP_METRICS``: the policy's, and the lr the latest step applied."""
-        return {**self.policy.metrics(), "lr": self.last_lr}
+        """``hvd_scale.metrics.STEP_METRICS``: the policy's, the lr the latest step applied, and
+        the guard's (nan and inf without one)."""
+        guard = dict.fromkeys(GUARD_METRICS, math.nan) | {"lr_cap": math.inf} \
+            if self.guard is None else self.guard.metrics()
+        return {**self.policy.metrics(), "lr": self.last_lr, **guard}
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def loaded_policy(self, state: dict) -> Policy:
@@ -181,10 +199,14 @@ class Scaling:
         return policy
 
     def broadcast(self, root_rank: int = 0) -> None:
-        """Every rank takes ``root_rank``'s policy state."""
-        state = self.hvd.broadcast_object(self.policy.state_dict(), root_rank=root_rank,
-                                          name="hvd_scale.policy_state")
-        self.policy = self.loaded_policy(state)
+        """Every rank takes ``root_rank``'s policy state (and guard estimate)."""
+        state = self.hvd.broadcast_object(
+            {"policy": self.policy.state_dict(),
+             "guard": None if self.guard is None else self.guard.state_dict()},
+            root_rank=root_rank, name="hvd_scale.policy_state")
+        self.policy = self.loaded_policy(state["policy"])
+        if self.guard is not None and state["guard"] is not None:
+            self.guard.load_state_dict(state["guard"])
 
 
 class Readout:

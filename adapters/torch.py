@@ -39,9 +39,11 @@ import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters.core import Readout, Scaling
+from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
 from hvd_scale.policies import Policy
 
 STATS_NAME = "hvd_scale.stats"
+SHARPNESS_NAME = "hvd_scale.sharpness"
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -68,6 +70,10 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             default ``$HVD_SCALE_LOG_DIR`` (set by ``hvd-scale run --log-dir``), else none.
         nonfinite: a step whose gradients are not finite is skipped on every rank ("skip",
             counted in ``policy.skipped``) or raises FloatingPointError on every rank ("raise").
+        guard: a ``hvd_scale.guard.SharpnessGuard``: every N steps the top Hessian eigenvalue is
+            measured on each worker's batch and averaged, and lr x factor is capped at the
+            optimizer's stability limit (SGD, Adam, AdamW). Its steps need
+            ``step(guard_loss=fn)``: ``fn()`` returns this worker's loss on its current batch.
         **horovod_options: compression, op, gradient_predivide_factor, groups, sparse_as_dense,
             process_set: passed to ``hvd.DistributedOptimizer``. With a ``process_set``, S, n, the
             policy agreement and the statistics are the set's, as the averaged gradients are.
@@ -78,7 +84,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                  policy: str | Policy | None = None, backward_passes_per_step: int = 1, *,
                  scale: float | None = None, budget: float | None = None,
                  grad_scaler: Any = None, measure: bool | None = None, log_dir: str | None = None,
-                 nonfinite: str = "skip", **horovod_options: Any):
+                 nonfinite: str = "skip", guard: SharpnessGuard | None = None,
+                 **horovod_options: Any):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
@@ -92,7 +99,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                                framework="torch", groups=len(optimizer.param_groups),
                                base_lrs=[g.get("lr") for g in optimizer.param_groups],
                                measure=measure, log_dir=log_dir, nonfinite=nonfinite,
-                               short_steps=True)
+                               short_steps=True, guard=guard)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self._measure = self.scaling.measure
@@ -131,6 +138,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                         self._fired.append(0)
         self._fired_total = 0
         self._all_gradients = len(self._hooks) * backward_passes_per_step  # a full step's
+        self._hooks_paused = False  # the guard's Hessian-vector products are not passes
 
     def _params(self):
         return (p for group in self.param_groups for p in group["params"])
@@ -158,6 +166,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         precondition = self.policy.statistics == "preconditioned"
 
         def hook(grad: torch.Tensor) -> None:
+            if self._hooks_paused:
+                return
             # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
             g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
             norms.append(self._norm(g))
@@ -294,15 +304,19 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     # -- torch.optim.Optimizer ------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, guard_loss=None):
         """Synchronize, let the policy account the step, and apply it with lr x factor.
 
         A step whose gradients are not finite is skipped on every rank: weights, optimizer state,
         statistics and progress stay as they were (``policy.skipped`` counts it).
+        ``guard_loss``: with a ``guard``, a function returning this worker's loss on its current
+        batch (a fresh forward pass; no backward), called on the guard's steps only.
         """
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
         self._synchronized = False
+        if self.scaling.guard_due():
+            self._measure_sharpness(guard_loss)
         stats, self._pending = self._pending, None
         scaler = self._grad_scaler
         loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
@@ -315,6 +329,39 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         if factor == 0.0:
             return None  # skipped: nothing applied
         return self.apply_step(factor, closure)
+
+    def _measure_sharpness(self, guard_loss) -> None:
+        """The guard's estimate: this worker's top Hessian eigenvalue, averaged over workers."""
+        guard, step = self.scaling.guard, self.policy.steps
+        if not callable(guard_loss):
+            raise ValueError(f"hvd_scale: the lr guard measures the sharpness before step "
+                             f"{step + 1}: call opt.step(guard_loss=fn) with fn() returning this "
+                             f"worker's loss on its current batch, got guard_loss={guard_loss!r}")
+        group = self.param_groups[0]
+        params = [p for p in self._params() if p.requires_grad]
+        scaling = None
+        if self.optimizer_name in ADAM_OPTIMIZERS:
+            # Adam's stability is about P^-1 H, P = diag(sqrt(v_hat) + eps): before its first
+            # step there is no v_hat, and the next step measures instead (alike on every rank).
+            states = [self.state.get(p, {}) for p in params]
+            if not all("exp_avg_sq" in st for st in states):
+                return
+            scaling = [self._precondition(p, torch.ones_like(p), group).sqrt_() for p in params]
+        self._hooks_paused = True
+        try:
+            with torch.enable_grad():
+                local = hessian_top_eigenvalue(guard_loss, params, iterations=guard.iterations,
+                                               tol=guard.tol, scaling=scaling, seed=step)
+        finally:
+            self._hooks_paused = False
+        mean = hvd.allreduce(torch.tensor(local, dtype=torch.float64), op=hvd.Average,
+                             name=SHARPNESS_NAME, process_set=self._process_set).item()
+        if self.optimizer_name in ADAM_OPTIMIZERS:
+            limits = {"beta1": group["betas"][0]}
+        else:
+            limits = {"momentum": group.get("momentum", 0.0), "dampening": group.get("dampening", 0.0),
+                      "nesterov": bool(group.get("nesterov", False))}
+        guard.update(mean, step, optimizer=self.optimizer_name, **limits)
 
     def _grads_finite(self) -> bool:
         grads = self._grads()
@@ -341,24 +388,35 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         torch.optim.Optimizer.zero_grad(self._hvd_opt, set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        """``{"inner": the wrapped optimizer's state_dict, "hvd_scale": the policy's}``."""
-        return {"inner": self._hvd_opt.state_dict(), "hvd_scale": self.policy.state_dict()}
+        """``{"inner": the wrapped optimizer's state_dict, "hvd_scale": the policy's}``, and
+        ``"guard"``: the guard's latest estimate, with a guard."""
+        state = {"inner": self._hvd_opt.state_dict(), "hvd_scale": self.policy.state_dict()}
+        if self.scaling.guard is not None:
+            state["guard"] = self.scaling.guard.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore both parts; everything is validated before anything changes."""
-        if not isinstance(state_dict, dict) or set(state_dict) != {"inner", "hvd_scale"}:
+        if not isinstance(state_dict, dict) or not {"inner", "hvd_scale"} <= set(state_dict) \
+                or not set(state_dict) <= {"inner", "hvd_scale", "guard"}:
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(f"expected a state_dict with keys ['hvd_scale', 'inner'] (from "
-                             f"DistributedOptimizer.state_dict()), got {got}")
+            raise ValueError(f"expected a state_dict with keys ['hvd_scale', 'inner'] and "
+                             f"optionally 'guard' (from DistributedOptimizer.state_dict()), got {got}")
         inner_groups = state_dict["inner"]["param_groups"]
         if len(inner_groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(inner_groups)} parameter group(s), this "
                              f"optimizer has {len(self.param_groups)}")
         policy = self.scaling.loaded_policy(state_dict["hvd_scale"])
+        guard = self.scaling.guard
+        if guard is not None and state_dict.get("guard") is not None:
+            restored = SharpnessGuard()
+            restored.load_state_dict(state_dict["guard"])  # validated before anything changes
         self._hvd_opt.load_state_dict(state_dict["inner"])
         # torch's load_state_dict builds new group dicts and a new state: share them again.
         self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
         self.scaling.policy = policy
+        if guard is not None and state_dict.get("guard") is not None:
+            guard.load_state_dict(state_dict["guard"])
         self._pending, self._synchronized = None, False
         self._reset_counts()
         if self._stats_handle is not None:  # a step's statistics in flight: finish, then drop them
@@ -369,6 +427,59 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"
+
+
+def hessian_top_eigenvalue(loss_fn, params: list[torch.Tensor], *, iterations: int = 20,
+                           tol: float = 1e-3, scaling: list[torch.Tensor] | None = None,
+                           seed: int = 0) -> float:
+    """The largest eigenvalue of the Hessian of ``loss_fn()`` in ``params``, by power iteration.
+
+    Each iteration is one Hessian-vector product, Hv = d(g . v)/dw, a second backward pass
+    through the graph of one forward pass (kept between iterations). ``scaling``: per-parameter
+    s, giving the eigenvalue of diag(s) H diag(s) instead (s = P^-1/2 for Adam's P^-1 H, same
+    eigenvalues, symmetric). Power iteration finds the eigenvalue largest in magnitude: when
+    that is negative, a second run on H - lambda_neg I finds the top one. Neither ``p.grad``
+    nor Horovod's hooks see these passes (autograd.grad returns the products).
+    """
+    params = [p for p in params if p.requires_grad]
+    loss = loss_fn()
+    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+    if not used:
+        return 0.0  # the loss is linear (or constant) in the parameters: no curvature
+    ps, gs = [params[i] for i in used], [grads[i] for i in used]
+    ss = None if scaling is None else [scaling[i] for i in used]
+    generator = torch.Generator().manual_seed(seed)
+
+    def product(v: list[torch.Tensor]) -> list[torch.Tensor]:
+        if ss is not None:
+            v = torch._foreach_mul(v, ss)
+        hv = torch.autograd.grad(gs, ps, grad_outputs=v, retain_graph=True)
+        return list(hv) if ss is None else torch._foreach_mul(hv, ss)
+
+    def dominant(shift: float) -> float:
+        v = [torch.randn(p.shape, generator=generator, dtype=torch.float64).to(p) for p in ps]
+        torch._foreach_div_(v, torch.stack(torch._foreach_norm(v)).norm())
+        estimate = math.nan
+        for _ in range(iterations):
+            hv = product(v)
+            if shift:
+                torch._foreach_add_(hv, v, alpha=-shift)
+            new = float(sum((a * b).sum() for a, b in zip(v, hv)))  # Rayleigh quotient, |v| = 1
+            norm = float(torch.stack(torch._foreach_norm(hv)).norm())
+            if not math.isfinite(norm) or norm == 0.0:
+                return new
+            v = torch._foreach_div(hv, norm)
+            converged = abs(new - estimate) <= tol * abs(new)
+            estimate = new
+            if converged:
+                break
+        return estimate
+
+    top = dominant(0.0)
+    if top < 0:  # the dominant eigenvalue is negative: the top one is lambda_neg + max(H - lambda_neg)
+        top = top + dominant(top)
+    return top
 
 
 class _ProcessSetBinding:

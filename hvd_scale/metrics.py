@@ -39,6 +39,10 @@ METRICS: dict[str, str] = {
     "noise_scale": "sigma2 / mu2: the batch, in baseline batches, past which scaling stops paying",
     "efficiency": "gain / S",
     "skipped": "steps skipped for non-finite gradients",
+    "sharpness": "top Hessian eigenvalue the lr guard measured last (averaged over workers; "
+                 "preconditioned for Adam); nan without a guard",
+    "lr_cap": "largest lr the guard allows: margin x the optimizer's stability limit for that "
+              "sharpness; inf without a guard or estimate",
     "loss": "the loss passed to log_loss() for the step",
     "time": "seconds since the log was opened",
 }
@@ -46,9 +50,11 @@ METRICS: dict[str, str] = {
 # What the engine's Policy.metrics() returns, and what an adapter's metrics() adds to it.
 POLICY_METRICS = ("step", "progress", "gain", "lr_factor", "scale", "sigma2", "mu2", "noise_scale",
                   "efficiency", "skipped")
-STEP_METRICS = POLICY_METRICS + ("lr",)
+# The lr guard's (hvd_scale.guard; torch only), in every adapter's metrics() and the log.
+GUARD_METRICS = ("sharpness", "lr_cap")
+STEP_METRICS = POLICY_METRICS + ("lr",) + GUARD_METRICS
 # Keras puts these into every batch and epoch ``logs`` (the loss is Keras's own there).
-LOGS_METRICS = tuple(k for k in STEP_METRICS if k not in ("step", "skipped"))
+LOGS_METRICS = tuple(k for k in STEP_METRICS if k not in ("step", "skipped") + GUARD_METRICS)
 # Written by the logger itself, not given to it.
 _LOGGER_OWN = ("time",)
 

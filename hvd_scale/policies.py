@@ -67,6 +67,10 @@ class StepInfo:
     gain: float           # the measured gain r (1 where nothing was measured)
 
 
+def _capped(factor: float, max_factor: float | None) -> float:
+    return factor if max_factor is None else min(factor, max_factor)
+
+
 # -- spec parsing ------------------------------------------------------------------------------
 
 def _number_option(convert: Callable[[str], Any], accept: Callable[[Any], bool], expected: str):
@@ -237,7 +241,7 @@ class Policy:
 
     # The shared step.
     def step(self, sqnorm_sum=None, mean_sqnorm=None, n: int | None = None, *,
-             scale: float | None = None) -> StepInfo:
+             scale: float | None = None, max_factor: float | None = None) -> StepInfo:
         """Account one optimizer step; statistics as in ``GainEstimator.update``.
 
         Returns the factor to apply to this step's lr. Raises ValueError (state untouched) on
@@ -246,12 +250,15 @@ class Policy:
         ``scale``: this step's own S when it differs from the policy's, e.g. a short step with
         fewer micro-batches than announced (S x n / n_announced): the gain, the factor and tau's
         advance are this step's; the policy's S is the same afterwards.
+        ``max_factor``: a cap on the factor (``hvd_scale.guard``); tau advances as uncapped.
         """
+        if max_factor is not None and not max_factor > 0:
+            raise ValueError(f"max_factor must be > 0, got {max_factor!r}")
         if scale is not None and check_scale(scale) != self.scale:
             own = self.scale
             self.estimator.rescale(scale)
             try:
-                return self.step(sqnorm_sum, mean_sqnorm, n)
+                return self.step(sqnorm_sum, mean_sqnorm, n, max_factor=max_factor)
             finally:
                 self.estimator.rescale(own)
         if n is not None and int(n) < 1:
@@ -263,7 +270,7 @@ class Policy:
         elif self.uses_statistics and self.scale > 1:
             raise ValueError(f"policy {self.name!r} needs gradient statistics every step")
         before = self.progress
-        factor = self._applied = self.factor()
+        factor = self._applied = _capped(self.factor(), max_factor)
         self.progress = before + self.advance()
         self.steps += 1
         return StepInfo(self.steps, factor, before, self.progress, self.gain)
@@ -570,15 +577,17 @@ class AdaScaleAdam(AdaScale):
     def factor(self) -> float:
         return math.sqrt(self.gain)
 
-    def step(self, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale=None) -> StepInfo:
+    def step(self, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale=None,
+             max_factor=None) -> StepInfo:
         if self.steps >= self.MIN_ADAM_HISTORY:
-            return super().step(sqnorm_sum, mean_sqnorm, n, scale=scale)
+            return super().step(sqnorm_sum, mean_sqnorm, n, scale=scale, max_factor=max_factor)
         # Bad statistics fail as in a measured step (on a copy: the estimates stay untouched).
-        super(AdaScaleAdam, copy.deepcopy(self)).step(sqnorm_sum, mean_sqnorm, n, scale=scale)
+        super(AdaScaleAdam, copy.deepcopy(self)).step(sqnorm_sum, mean_sqnorm, n, scale=scale,
+                                                      max_factor=max_factor)
         before = self.progress
-        self._applied, self.progress = 1.0, before + 1.0
+        self._applied, self.progress = _capped(1.0, max_factor), before + 1.0
         self.steps += 1
-        return StepInfo(self.steps, 1.0, before, self.progress, 1.0)
+        return StepInfo(self.steps, self._applied, before, self.progress, 1.0)
 
     def check_optimizer(self, optimizer: str) -> None:
         if optimizer_family(optimizer) != "adam":
