@@ -30,7 +30,8 @@ POLICIES = ["none", "linear", "warmup", "sqrt", "adascale"]
 
 
 def run_example(script: str, *, scale: int, policy: str, seed: int, lr: float, budget: int,
-                log_dir: pathlib.Path | None = None, timeout: float = 1200) -> dict:
+                log_dir: pathlib.Path | None = None, timeout: float = 1200,
+                extra: list[str] | tuple[str, ...] = ()) -> dict:
     workers = 1 if scale == 1 else 2
     accumulate = scale // workers
     args = [str(BIN / "python"), str(ROOT / "examples" / script), "--policy", policy,
@@ -38,6 +39,7 @@ def run_example(script: str, *, scale: int, policy: str, seed: int, lr: float, b
             "--accumulate", str(accumulate), "--batch-size", "32"]
     if script.startswith("torch"):
         args += ["--log-every", "0"]
+    args += list(extra)  # the script's own options
     cmd = [str(BIN / "horovodrun"), "--gloo", "-np", str(workers), "-H", f"localhost:{workers}"] + args
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
     if log_dir is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ import mnist1d_data  # noqa: E402
 
 from hvd_scale import lr_at, schedules  # noqa: E402
 from hvd_scale.adapters.torch import DistributedOptimizer, broadcast_state  # noqa: E402
+from hvd_scale.guard import SharpnessGuard  # noqa: E402
 
 
 def make_model() -> torch.nn.Module:
@@ -48,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50, help="print every N optimizer steps (0: never)")
+    p.add_argument("--guard-every", type=int, default=0,
+                   help="lr guard: measure the sharpness every N steps and cap the lr (0: off)")
+    p.add_argument("--guard-margin", type=float, default=0.5, help="fraction of the stability limit")
     return p.parse_args(argv)
 
 
@@ -72,13 +77,15 @@ def main(argv=None) -> dict:
     opt = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
         named_parameters=model.named_parameters(), policy=args.policy,
-        backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget)
+        backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget,
+        guard=SharpnessGuard(args.guard_every, margin=args.guard_margin) if args.guard_every else None)
     broadcast_state(model, opt)
     schedule = schedules.StepDecay(args.lr, milestones=[int(0.5 * args.budget), int(0.75 * args.budget)])
     batches = mnist1d_data.shard_batches(data["x"], data["y"], args.batch_size, hvd.rank(),
                                          hvd.size(), seed=args.seed)
     loss_fn = torch.nn.CrossEntropyLoss()
-    gains, start = [], time.perf_counter()
+    gains, sharpness, capped, guard_steps, plain_steps = [], [], 0, [], []
+    start = time.perf_counter()
     while not opt.done():
         for group in opt.param_groups:
             group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
@@ -90,8 +97,14 @@ def main(argv=None) -> dict:
             loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
             loss.backward()
         opt.log_loss(loss.detach())  # metrics row (with --log-dir), read lazily
-        opt.step()
+        due, t0 = opt.scaling.guard_due(), time.perf_counter()
+        # With --guard-every: the guard's steps take the Hessian of this batch's loss.
+        opt.step(guard_loss=lambda: loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)))
+        (guard_steps if due else plain_steps).append(time.perf_counter() - t0)
         gains.append(opt.gain)
+        metrics = opt.metrics()
+        capped += opt.last_learning_rate >= metrics["lr_cap"] * (1 - 1e-9)
+        sharpness.append(metrics["sharpness"])
         if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
             print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
                   f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.4f}  loss {loss.item():.3f}",
@@ -103,6 +116,9 @@ def main(argv=None) -> dict:
         "test_accuracy": evaluate(model, data["x_test"], data["y_test"]),
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed, "seed": args.seed,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        # The guard: steps whose lr it capped, its largest estimate, and its time beyond a step's.
+        "capped_steps": capped, "max_sharpness": float(np.max(sharpness)) if args.guard_every else math.nan,
+        "guard_seconds": sum(guard_steps) - len(guard_steps) * float(np.median(plain_steps or [0])),
     }
     if hvd.rank() == 0:
         print(f"done: policy {summary['policy']}, S = {summary['scale']:g}, {summary['steps']} steps "

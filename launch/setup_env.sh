@@ -18,9 +18,9 @@ PYTHON="${PYTHON:-python3.11}"
 # Horovod 0.28.1 and its sdist's sha256 are pinned in launch/build_horovod.py.
 TORCH_VERSION=2.13.0            # the CPU wheel on this machine's disk; never a CUDA build
 TENSORFLOW_SPEC='tensorflow-cpu==2.21.*'
-# Installed only when not there at these versions; pyarrow 25.0.1 is the newest on this machine's
+# Installed only when not there at these versions (sacrebleu: B4 and its test); pyarrow 25.0.1 is the newest on this machine's
 # disk (PyPI has 26, which works too).
-EXTRA_PINS=(ray==2.60.0 pyspark==4.3.0 pyarrow==25.0.1)
+EXTRA_PINS=(ray==2.60.0 pyspark==4.3.0 pyarrow==25.0.1 sacrebleu==2.6.0)
 
 log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 start=$(date +%s)
