@@ -19,6 +19,10 @@ from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_
 from hvd_scale.reduce import unpack_step
 
 NONFINITE = ("skip", "raise")
+# Skipped steps in a row after which a run has diverged (the weights themselves overflow the
+# forward pass; skipping would go on forever without advancing tau). AMP's scaler needs a few
+# dozen skips at most to find its scale.
+DIVERGED_AFTER = 100
 
 
 def elastic() -> bool:
@@ -89,6 +93,7 @@ class Scaling:
                       "optimizer": optimizer_name, "framework": framework})
         self._world_size = hvd.size()
         self.last_lr = math.nan
+        self._skips_in_a_row = 0
 
     # -- set-up ----------------------------------------------------------------------------------
     def _agreed_policy(self, policy, scale, budget, base_lrs) -> Policy:
@@ -121,7 +126,8 @@ class Scaling:
         finite: the framework's own verdict on the averaged gradient (when not measured).
         A non-finite step is skipped (weights, optimizer state, statistics and tau stay; the
         policy counts it) or raises FloatingPointError, alike on every rank: the statistics and
-        the averaged gradient are the same everywhere.
+        the averaged gradient are the same everywhere. ``DIVERGED_AFTER`` skips in a row raise
+        FloatingPointError too: the run has diverged.
         """
         self.follow_world_size()
         if statistics is not None:
@@ -131,8 +137,9 @@ class Scaling:
             if self.nonfinite == "raise":
                 raise FloatingPointError(f"non-finite gradients at step {self.policy.steps + 1} "
                                          "(pass nonfinite='skip' to skip such steps)")
-            self.policy.skip()
+            self.skip()
             return 0.0
+        self._skips_in_a_row = 0
         cap = None if self.guard is None else self.guard.max_factor(base_lr)
         if statistics is None:
             info = self.policy.step(max_factor=cap)
@@ -164,8 +171,14 @@ class Scaling:
         return self.guard is not None and self.guard.due(self.policy.steps)
 
     def skip(self) -> None:
-        """A step measured but never applied (an AMP overflow skipped it)."""
+        """A step measured but never applied (non-finite, or an AMP overflow skipped it)."""
         self.policy.skip()
+        self._skips_in_a_row += 1
+        if self._skips_in_a_row >= DIVERGED_AFTER:
+            raise FloatingPointError(
+                f"hvd_scale: {self._skips_in_a_row} steps in a row had non-finite gradients and "
+                f"were skipped (the latest before step {self.policy.steps + 1}, tau "
+                f"{self.policy.progress:g}, lr {self.last_lr:g}): training has diverged")
 
     def follow_world_size(self) -> None:
         """Horovod elastic changed the number of workers: S changes in proportion (a scale given

@@ -60,7 +60,9 @@ def write_report(runs, seeds):
              f"Guard every {EVERY} steps (power iteration, <= 20 Hessian-vector products, tol 1e-3, "
              f"on the last micro-batch of each worker, averaged). Test accuracy %, mean ± std over "
              f"{seeds} seed(s); steps capped / optimizer steps; the guard's time per optimizer step "
-             "as a fraction of the median unguarded step of the same run.", "",
+             "as a fraction of the median unguarded step of the same run. A run whose steps are all "
+             "non-finite 100 times in a row stops as diverged (its accuracy is that of its last "
+             "finite weights).", "",
              "| policy | S | guard | accuracy % | capped steps | max sharpness | guard cost / step |",
              "|---|---|---|---|---|---|---|"]
     keys = sorted({(r["policy"], r["S"], r["variant"]) for r in runs},
@@ -76,7 +78,9 @@ def write_report(runs, seeds):
         if guarded:  # guard seconds per step over (run seconds - guard seconds) per step
             cost = statistics.mean(r["guard_seconds"] / (r["seconds"] - r["guard_seconds"]) for r in cell)
             cost = f"+{100 * cost:.0f}%"
-        lines.append(f"| {policy} | {s} | {variant} | {statistics.mean(accs):.1f} ± {std:.1f} | "
+        diverged = sum(r.get("diverged", False) for r in cell)
+        note = f" (diverged {diverged}/{len(cell)})" if diverged else ""
+        lines.append(f"| {policy} | {s} | {variant} | {statistics.mean(accs):.1f} ± {std:.1f}{note} | "
                      f"{capped} | {sharp} | {cost} |")
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
               f"- rerun: `.venv/bin/python benchmarks/guard.py {' '.join(sys.argv[1:])}`".rstrip()]

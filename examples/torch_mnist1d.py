@@ -86,35 +86,42 @@ def main(argv=None) -> dict:
     loss_fn = torch.nn.CrossEntropyLoss()
     gains, sharpness, capped, guard_steps, plain_steps = [], [], 0, [], []
     start = time.perf_counter()
-    while not opt.done():
-        for group in opt.param_groups:
-            group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
-        opt.zero_grad()
-        for _ in range(args.accumulate):
-            x, y = next(batches)
-            # Each micro-batch's mean loss, not divided by k: hvd_scale applies the mean of the
-            # k micro-gradients (as Keras does).
-            loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
-            loss.backward()
-        opt.log_loss(loss.detach())  # metrics row (with --log-dir), read lazily
-        due, t0 = opt.scaling.guard_due(), time.perf_counter()
-        # With --guard-every: the guard's steps take the Hessian of this batch's loss.
-        opt.step(guard_loss=lambda: loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)))
-        (guard_steps if due else plain_steps).append(time.perf_counter() - t0)
-        gains.append(opt.gain)
-        metrics = opt.metrics()
-        capped += opt.last_learning_rate >= metrics["lr_cap"] * (1 - 1e-9)
-        sharpness.append(metrics["sharpness"])
-        if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
-            print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
-                  f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.4f}  loss {loss.item():.3f}",
-                  flush=True)
+    diverged = False
+    try:
+        while not opt.done():
+            for group in opt.param_groups:
+                group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
+            opt.zero_grad()
+            for _ in range(args.accumulate):
+                x, y = next(batches)
+                # Each micro-batch's mean loss, not divided by k: hvd_scale applies the mean of the
+                # k micro-gradients (as Keras does).
+                loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
+                loss.backward()
+            opt.log_loss(loss.detach())  # metrics row (with --log-dir), read lazily
+            due, t0 = opt.scaling.guard_due(), time.perf_counter()
+            # With --guard-every: the guard's steps take the Hessian of this batch's loss.
+            opt.step(guard_loss=lambda: loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)))
+            (guard_steps if due else plain_steps).append(time.perf_counter() - t0)
+            gains.append(opt.gain)
+            metrics = opt.metrics()
+            capped += opt.last_learning_rate >= metrics["lr_cap"] * (1 - 1e-9)
+            sharpness.append(metrics["sharpness"])
+            if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
+                print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
+                      f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.4f}  loss {loss.item():.3f}",
+                      flush=True)
+    except FloatingPointError as e:  # hvd_scale stops a run whose steps all overflow
+        diverged = True
+        if hvd.rank() == 0:
+            print(f"diverged: {e}", flush=True)
     elapsed = time.perf_counter() - start
     summary = {
         "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
         "accumulate": args.accumulate, "steps": opt.policy.steps, "progress": opt.progress,
         "test_accuracy": evaluate(model, data["x_test"], data["y_test"]),
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed, "seed": args.seed,
+        "diverged": diverged,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         # The guard: steps whose lr it capped, its largest estimate, and its time beyond a step's.
         "capped_steps": capped, "max_sharpness": float(np.max(sharpness)) if args.guard_every else math.nan,

@@ -127,6 +127,32 @@ def test_nonfinite_statistics_skip_or_raise(nonfinite):
         assert np.all(opt.w == 0)
 
 
+def test_a_diverged_run_stops_instead_of_skipping_forever():
+    from hvd_scale.adapters.core import DIVERGED_AFTER
+
+    opt = ToyOptimizer(np.zeros(3), passes=2)
+
+    def nonfinite_step():
+        x, y = batches(0, 2)
+        y[0, 0] = math.inf
+        for xi, yi in zip(x, y):
+            opt.backward(xi, yi)
+        return opt.step()
+
+    for _ in range(DIVERGED_AFTER - 2):
+        assert nonfinite_step() == 0.0
+    x, y = batches(1, 2)  # one finite step resets the count
+    for xi, yi in zip(x, y):
+        opt.backward(xi, yi)
+    assert opt.step() > 0
+    for _ in range(DIVERGED_AFTER - 1):
+        assert nonfinite_step() == 0.0
+    with pytest.raises(FloatingPointError, match=f"{DIVERGED_AFTER} steps in a row had non-finite "
+                                                 "gradients and were skipped.*training has diverged"):
+        nonfinite_step()
+    assert opt.scaling.policy.steps == 1
+
+
 def test_statistics_must_count_workers_times_passes():
     opt = ToyOptimizer(np.zeros(3), passes=2)
     x, y = batches(0, 3)
