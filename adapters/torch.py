@@ -13,9 +13,11 @@
 What this module does, and nothing more: the four hooks of ``adapters/protocol.py`` in torch
 (the math is in the engine, the rest of a step in ``adapters/core.py``):
 
-* local statistics: a tensor hook on every parameter sees each backward pass's own gradient
-  (before accumulation and before Horovod's allreduce) and keeps its norm, a 0-d tensor: no
-  ``.item()`` per parameter and no gradient-sized copy;
+* local statistics: the norm of each backward pass's own gradient, a 0-d tensor (no ``.item()``
+  per parameter, no gradient-sized copy), taken before Horovod's in-place allreduce. With one
+  pass per step, Horovod's own hook hands each gradient over and it is sent with its bucket
+  right after one fused norm kernel over the bucket; with accumulation, a tensor hook on every
+  parameter sees each pass's gradient before it is added into p.grad;
 * the per-group sums of squared norms and the micro-batch count (the engine's layout) go out in one
   small asynchronous allreduce started just before Horovod waits on the gradients, so it is fused
   with the gradient traffic instead of adding a blocking collective;
@@ -44,6 +46,10 @@ from hvd_scale.policies import Policy
 
 STATS_NAME = "hvd_scale.stats"
 SHARPNESS_NAME = "hvd_scale.sharpness"
+# Without accumulation the norms are taken in buckets of gradients as Horovod sends them: a
+# bucket goes out at this many tensors or elements (a bounded delay of the first allreduces).
+BUCKET_TENSORS = 16
+BUCKET_ELEMENTS = 1 << 18
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -130,15 +136,28 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self._frozen = [p for p in self._params() if not p.requires_grad]
         self._hooks = []
         self._fired: list[int] = []  # per hooked parameter: its gradients since the last step
-        if self._measure:
-            for gi, group in enumerate(self.param_groups):
-                for p in group["params"]:
-                    if p.requires_grad:
-                        self._hooks.append(p.register_hook(self._make_norm_hook(gi, p, len(self._fired))))
-                        self._fired.append(0)
+        trained = [(gi, p) for gi, group in enumerate(self.param_groups)
+                   for p in group["params"] if p.requires_grad]
         self._fired_total = 0
-        self._all_gradients = len(self._hooks) * backward_passes_per_step  # a full step's
+        self._all_gradients = len(trained) * backward_passes_per_step  # a full step's
         self._hooks_paused = False  # the guard's Hessian-vector products are not passes
+        # One pass per step: p.grad is that pass's gradient when Horovod's own hook sends it, so
+        # the norms are taken right there, a bucket at a time (one fused kernel per bucket, and
+        # no hook of ours per tensor). With accumulation (or Horovod's groups=) each pass's
+        # gradient is seen only by a tensor hook, before it is added into p.grad.
+        self._bucketed = (self._measure and backward_passes_per_step == 1
+                          and horovod_options.get("groups") is None)
+        self._bucket: list[torch.Tensor] = []
+        self._bucket_elements = 0
+        self._sending_rest = False  # Horovod's synchronize() sends what backward did not produce
+        self._group_of = {p: gi for gi, p in trained}
+        if self._bucketed:
+            self._send = self._hvd_opt._allreduce_grad_async
+            self._hvd_opt._allreduce_grad_async = self._send_in_buckets  # Horovod's hook calls it
+        elif self._measure:
+            for gi, p in trained:
+                self._hooks.append(p.register_hook(self._make_norm_hook(gi, p, len(self._fired))))
+                self._fired.append(0)
 
     def _params(self):
         return (p for group in self.param_groups for p in group["params"])
@@ -181,6 +200,52 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 self._stats_handle = self.start_statistics()
         return hook
 
+    def _send_in_buckets(self, p: torch.Tensor):
+        """Horovod's hook hands over each gradient of the step (k = 1) to be sent; it goes out
+        with its bucket, after the bucket's norms. Returns what Horovod's hook records for p."""
+        if self._sending_rest:
+            return self._send(p)  # no gradient this step: Horovod sends zeros, nothing to measure
+        self._bucket.append(p)
+        self._bucket_elements += p.grad.numel()
+        self._fired_total += 1
+        if (self._fired_total == self._all_gradients or len(self._bucket) >= BUCKET_TENSORS
+                or self._bucket_elements >= BUCKET_ELEMENTS):
+            return self._flush_bucket(current=p)
+        return None, None  # a placeholder until its bucket is sent (below)
+
+    def _flush_bucket(self, current: torch.Tensor | None = None):
+        """Take the bucket's norms, then send its gradients (the statistics first when this is
+        the step's last gradient). Returns ``current``'s (handle, ctx) for Horovod's hook."""
+        bucket, self._bucket, self._bucket_elements = self._bucket, [], 0
+        if not bucket:
+            return None, None
+        self._take_norms(bucket)
+        if self._fired_total == self._all_gradients and self._stats_handle is None:
+            self._stats_handle = self.start_statistics()
+        handles, result = self._hvd_opt._handles, (None, None)
+        for p in bucket:
+            sent = self._send(p)
+            if p is current:
+                result = sent
+            else:
+                handles[p] = sent
+        return result
+
+    def _take_norms(self, params: list[torch.Tensor]) -> None:
+        grads = [p.grad for p in params]
+        if self.policy.statistics == "preconditioned":
+            norms = [self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
+                     for p, g in zip(params, grads)]
+        elif all(g.dtype == self._stats_dtype and not g.is_sparse for g in grads):
+            norms = torch._foreach_norm(grads)  # one fused kernel for the bucket
+        else:
+            norms = [self._norm(g) for g in grads]
+        if len(self._norms) == 1:
+            self._norms[0].extend(norms)
+        else:
+            for p, n in zip(params, norms):
+                self._norms[self._group_of[p]].append(n)
+
     def start_statistics(self):
         """[s..., c] summed over workers, asynchronously (fused with the gradient traffic)."""
         return hvd.allreduce_async_(self.local_statistics(), op=hvd.Sum, name=STATS_NAME,
@@ -211,7 +276,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 for norms in self._norms]
         for norms in self._norms:
             norms.clear()
-        count = torch.tensor(float(max(self._fired, default=0)), dtype=dt)
+        passes = min(1, self._fired_total) if self._bucketed else max(self._fired, default=0)
+        count = torch.tensor(float(passes), dtype=dt)
         self._reset_counts()
         return torch.stack(sums + [count])
 
@@ -267,11 +333,16 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             # The previous step's statistics were never used: its step was skipped (AMP overflow).
             self.scaling.skip()
             self._pending = None
+        self._flush_bucket()  # gradients still waiting in a bucket (some got none this step)
         handle, self._stats_handle = self._stats_handle, None
         if self._measure and handle is None:
             # Fewer gradients than every parameter x k passes: send the statistics now.
             handle = self.start_statistics()
-        self._hvd_opt.synchronize()
+        self._sending_rest = True
+        try:
+            self._hvd_opt.synchronize()
+        finally:
+            self._sending_rest = False
         if handle is None:
             self._to_mean_gradient(None)
         else:
@@ -424,6 +495,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             self._stats_handle = None
         for norms in self._norms:
             norms.clear()
+        self._bucket, self._bucket_elements = [], 0
 
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"

@@ -134,6 +134,19 @@ def test_unused_parameter(results):
 
 
 @pytest.mark.timeout(300)
+def test_statistics_over_many_tensors_sent_in_buckets(results):
+    """Without accumulation the norms are taken a bucket at a time as Horovod sends the
+    gradients (adapters/torch.py BUCKET_TENSORS, BUCKET_ELEMENTS): several buckets, one full
+    by its size, and an unused layer whose bucket only goes out at synchronize()."""
+    r0, r1 = both_ranks(results, "many_tensors")
+    assert r0["tensors"] == 48 and r0["rows"] == r1["rows"]
+    for row in r0["rows"]:
+        assert close(row["gain"], row["ref_gain"], rel=1e-9), row
+        assert close(row["sigma2"], row["ref_sigma2"], rel=1e-9) and close(row["mu2"], row["ref_mu2"], rel=1e-9)
+        assert row["max_param_diff"] < 1e-9, row
+
+
+@pytest.mark.timeout(300)
 def test_bad_policy_and_optimizer_error_on_every_rank(results):
     for r in both_ranks(results, "bad_policy"):
         assert r["error"] and "'smooth'" in r["error"] and "smoothing" in r["error"]

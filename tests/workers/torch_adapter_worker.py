@@ -249,6 +249,54 @@ def case_unused():
          extra_unchanged=bool(torch.equal(extra_before, model.extra.weight.detach())))
 
 
+def case_many_tensors():
+    """Gradients sent in several buckets (48 tensors, one of 2**18 elements), two parameter
+    groups, and an unused layer whose gradients never come: the statistics and the update
+    still equal a one-process reference."""
+    size = hvd.size()
+    torch.manual_seed(1)
+    layers = [torch.nn.Linear(8, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh(),
+              torch.nn.Linear(512, 16)]
+    for _ in range(20):
+        layers += [torch.nn.Tanh(), torch.nn.Linear(16, 16)]
+    layers += [torch.nn.Tanh(), torch.nn.Linear(16, 3)]
+    model = WithUnused(torch.nn.Sequential(*layers)).double()
+    ref = copy.deepcopy(model)
+
+    def groups(m):
+        params = [p for p in m.body.parameters()]
+        return [params[:24], params[24:] + list(m.extra.parameters())]
+
+    opt = DistributedOptimizer(torch.optim.SGD([{"params": g} for g in groups(model)], lr=LR),
+                               named_parameters=model.named_parameters(), policy="adascale")
+    ref_est = GainEstimator(scale=size)
+    rows = []
+    for step in range(3):
+        opt.zero_grad()
+        x, y = micro_batch(hvd.rank(), step, 0)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        per_micro = []
+        for r in range(size):
+            ref.zero_grad()
+            loss_fn(ref, *micro_batch(r, step, 0)).backward()
+            per_micro.append(flat_grads(ref, groups(ref)))
+        sq_sum = [sum(float(g[i].square().sum()) for g in per_micro) for i in range(2)]
+        mean = [torch.stack([g[i] for g in per_micro]).mean(0) for i in range(2)]
+        gain = ref_est.update(sq_sum, [float(m.square().sum()) for m in mean], size)
+        with torch.no_grad():
+            for i, group in enumerate(groups(ref)):
+                offset = 0
+                for p in group:
+                    if p.grad is not None:
+                        p -= LR * gain * mean[i][offset:offset + p.numel()].view_as(p)
+                        offset += p.numel()
+        rows.append({"gain": opt.gain, "ref_gain": gain, "sigma2": opt.sigma2,
+                     "ref_sigma2": ref_est.sigma2, "mu2": opt.mu2, "ref_mu2": ref_est.mu2,
+                     "max_param_diff": float((params_vector(model) - params_vector(ref)).abs().max())})
+    emit("many_tensors", rows=rows, tensors=sum(1 for _ in model.parameters()))
+
+
 def case_bad_policy():
     model = make_model()
     try:
@@ -404,6 +452,7 @@ CASES = {
     "amp": case_amp,
     "nonfinite": case_nonfinite,
     "unused": case_unused,
+    "many_tensors": case_many_tensors,
     "bad_policy": case_bad_policy,
     "resume_np1": case_resume_np1,  # single process, after save_for_resize
 }
