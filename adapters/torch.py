@@ -432,7 +432,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         else:
             limits = {"momentum": group.get("momentum", 0.0), "dampening": group.get("dampening", 0.0),
                       "nesterov": bool(group.get("nesterov", False))}
-        guard.update(mean, step, optimizer=self.optimizer_name, **limits)
+        if math.isfinite(mean):  # else this step's gradients overflow too: it will be skipped,
+            guard.update(mean, step, optimizer=self.optimizer_name, **limits)  # and measured again
 
     def _grads_finite(self) -> bool:
         grads = self._grads()

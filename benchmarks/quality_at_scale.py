@@ -31,8 +31,8 @@ POLICIES = ["none", "linear", "warmup", "sqrt", "adascale"]
 
 def run_example(script: str, *, scale: int, policy: str, seed: int, lr: float, budget: int,
                 log_dir: pathlib.Path | None = None, timeout: float = 1200,
-                extra: list[str] | tuple[str, ...] = ()) -> dict:
-    workers = 1 if scale == 1 else 2
+                extra: list[str] | tuple[str, ...] = (), workers: int | None = None) -> dict:
+    workers = workers or (1 if scale == 1 else 2)
     accumulate = scale // workers
     args = [str(BIN / "python"), str(ROOT / "examples" / script), "--policy", policy,
             "--seed", str(seed), "--lr", str(lr), "--budget", str(budget),

@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--guard-every", type=int, default=0,
                    help="lr guard: measure the sharpness every N steps and cap the lr (0: off)")
     p.add_argument("--guard-margin", type=float, default=0.5, help="fraction of the stability limit")
+    p.add_argument("--eval-every", type=float, default=0,
+                   help="test accuracy every N baseline steps of progress, timed apart (0: at the end)")
     return p.parse_args(argv)
 
 
@@ -85,6 +87,8 @@ def main(argv=None) -> dict:
                                          hvd.size(), seed=args.seed)
     loss_fn = torch.nn.CrossEntropyLoss()
     gains, sharpness, capped, guard_steps, plain_steps = [], [], 0, [], []
+    # (training seconds without the evaluations, tau, steps, test accuracy): time to accuracy.
+    curve, eval_seconds, next_eval = [], 0.0, args.eval_every
     start = time.perf_counter()
     diverged = False
     try:
@@ -107,6 +111,12 @@ def main(argv=None) -> dict:
             metrics = opt.metrics()
             capped += opt.last_learning_rate >= metrics["lr_cap"] * (1 - 1e-9)
             sharpness.append(metrics["sharpness"])
+            if args.eval_every and opt.progress >= next_eval:
+                t0 = time.perf_counter()
+                curve.append((t0 - start - eval_seconds, opt.progress, opt.policy.steps,
+                              evaluate(model, data["x_test"], data["y_test"])))
+                eval_seconds += time.perf_counter() - t0
+                next_eval = (math.floor(opt.progress / args.eval_every) + 1) * args.eval_every
             if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
                 print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
                       f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.4f}  loss {loss.item():.3f}",
@@ -115,13 +125,13 @@ def main(argv=None) -> dict:
         diverged = True
         if hvd.rank() == 0:
             print(f"diverged: {e}", flush=True)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start - eval_seconds
     summary = {
         "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
         "accumulate": args.accumulate, "steps": opt.policy.steps, "progress": opt.progress,
         "test_accuracy": evaluate(model, data["x_test"], data["y_test"]),
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed, "seed": args.seed,
-        "diverged": diverged,
+        "diverged": diverged, "curve": curve,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         # The guard: steps whose lr it capped, its largest estimate, and its time beyond a step's.
         "capped_steps": capped, "max_sharpness": float(np.max(sharpness)) if args.guard_every else math.nan,
