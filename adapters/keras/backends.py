@@ -1,5 +1,6 @@
 """What differs between Keras backends for the adapter: Horovod's module, the gradient
-allreduce, the call to the engine on the host, and elastic's run wrapper.
+allreduce, the squared norms (in each backend's fused kernels), the call to the engine on the
+host, and elastic's run wrapper.
 
 The optimizer (``optimizer.py``) is written once in ``keras.ops``; ``current()`` picks the class
 for ``keras.backend.backend()`` in one ``if``, as Keras picks its own backend optimizer.
@@ -66,6 +67,19 @@ class TensorFlowBackend:
                 out[i] = r
         return out
 
+    def sum_of_squares(self, tensors: Sequence):
+        """sum_i |t_i|^2 as a float64 scalar: one fused l2_loss kernel per tensor (half types in
+        float32) and one add_n per dtype, not a square, a sum, a cast and an add per tensor."""
+        tf = self._tf
+        groups: dict = {}
+        for t in tensors:
+            t = t if t.dtype in (tf.float32, tf.float64) else tf.cast(t, tf.float32)
+            groups.setdefault(t.dtype, []).append(tf.nn.l2_loss(t))
+        total = tf.constant(0.0, tf.float64)
+        for losses in groups.values():
+            total += tf.cast(2 * tf.add_n(losses), tf.float64)
+        return total
+
     def host_call(self, fn: Callable, args: Sequence, name: str):
         """fn(*numpy args) -> (float64 vector, float64 scalar), as a graph op (numpy_function)."""
         tf = self._tf
@@ -122,6 +136,19 @@ class TorchBackend:
     def allreduce_average(self, tensors: Sequence, name: str) -> list:
         # Horovod's torch grouped op takes mixed dtypes; tensors follow the gradients' device.
         return list(self.hvd.grouped_allreduce(list(tensors), op=self.hvd.Average, name=name))
+
+    def sum_of_squares(self, tensors: Sequence):
+        """sum_i |t_i|^2 as a float64 scalar: one fused norm kernel per dtype (half types
+        widened inside the kernel)."""
+        torch = self._torch
+        groups: dict = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+        total = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else None)
+        for dtype, ts in groups.items():
+            wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+            total += torch.stack(torch._foreach_norm(ts, 2, dtype=wide)).square().sum().double()
+        return total
 
     def host_call(self, fn: Callable, args: Sequence, name: str):
         vector, scalar = fn(*(keras.ops.convert_to_numpy(a) for a in args))

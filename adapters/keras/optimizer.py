@@ -54,17 +54,6 @@ def _lr_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimiz
     return optimizer
 
 
-def _sqnorm(tensors: Sequence) -> Any:
-    """Sum of squares of all entries, float64 (each variable's sum in its own precision, or
-    float32 for half types)."""
-    total = ops.convert_to_tensor(0.0, "float64")
-    for t in tensors:
-        if keras.backend.standardize_dtype(t.dtype) not in ("float64", "float32"):
-            t = ops.cast(t, "float32")
-        total = total + ops.cast(ops.sum(ops.square(t)), "float64")
-    return total
-
-
 def _all_finite(tensors: Sequence) -> Any:
     return ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors]))
 
@@ -300,7 +289,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         return inner.loss_scale_factor
 
     def _sqnorm_of(self, grads, variables):
-        return _sqnorm(self._precondition(grads, variables))
+        # In the backend's own fused kernels (a few ops per tensor add up over many tensors).
+        return self._backend.sum_of_squares(self._precondition(grads, variables))
 
     def _precondition(self, grads, variables):
         """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
