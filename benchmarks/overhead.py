@@ -5,8 +5,10 @@
 
 1. hvd_scale (policy none, adascale) against plain hvd.DistributedOptimizer: one horovodrun -np 2
    (Gloo) job per Horovod setting, the three variants interleaved inside it
-   (benchmarks/torch_overhead.py); settings: Horovod's defaults (cycle time 1 ms) and other cycle
-   times, each job run `--repeats` times, alternating, median of the per-job medians.
+   (benchmarks/torch_overhead.py: the 1-D CNN, the 120-tensor MLP, the 2-D CNN); settings:
+   Horovod's defaults (cycle time 1 ms), the launcher's 5 ms cycle, and on top of it autotuning,
+   no tensor fusion, no response cache (every tensor negotiated every step) and 2 torch threads
+   per process; each job run `--repeats` times, alternating, median of the per-job medians.
 2. Plain DDP and fairscale 0.4.13's AdaScale over DDP (torch.distributed Gloo, 2 processes;
    benchmarks/ddp_fairscale.py); fairscale is installed into ~/.cache/hvd_scale only for this.
 Writes benchmarks/results/overhead.md and overhead.json.
@@ -28,8 +30,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = pathlib.Path(sys.executable).parent
 FAIRSCALE = pathlib.Path.home() / ".cache" / "hvd_scale" / "fairscale-0.4.13"
-SETTINGS = {"default (1 ms)": {}, "cycle 0.1 ms": {"HOROVOD_CYCLE_TIME": "0.1"},
-            "cycle 5 ms": {"HOROVOD_CYCLE_TIME": "5"}}
+CYCLE5 = {"HOROVOD_CYCLE_TIME": "5"}  # what `hvd-scale run` sets for CPU jobs
+SETTINGS = {"default (1 ms)": {}, "cycle 5 ms": CYCLE5,
+            "cycle 5 ms + autotune": {**CYCLE5, "HOROVOD_AUTOTUNE": "1"},
+            "cycle 5 ms, no fusion": {**CYCLE5, "HOROVOD_FUSION_THRESHOLD": "0"},
+            "cycle 5 ms, no response cache": {**CYCLE5, "HOROVOD_CACHE_CAPACITY": "0"},
+            "cycle 5 ms, 2 torch threads": {**CYCLE5, "OMP_NUM_THREADS": "2"}}
+MODELS = ["cnn", "mlp", "cnn2d"]
 
 
 def result_line(stdout: str) -> dict:
@@ -39,7 +46,7 @@ def result_line(stdout: str) -> dict:
 
 
 def run(cmd, env_extra, timeout=1200) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -54,7 +61,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 30, 1
-    step_args = ["--steps", str(args.steps), "--warmup", "10", "--rounds", "10"]
+    step_args = ["--steps", str(args.steps), "--warmup", "10", "--rounds", "10",
+                 "--models", ",".join(MODELS)]
     if not (FAIRSCALE / "fairscale").exists():
         subprocess.run([str(BIN / "python"), "-m", "pip", "install", "-q", "--no-deps",
                         "--no-build-isolation", "--target", str(FAIRSCALE), "fairscale==0.4.13"], check=True)
@@ -78,9 +86,10 @@ def main(argv=None) -> int:
     lines = ["# B2: step-time overhead (torch, np 2, Gloo, one thread per process)", "",
              f"Median step time (forward + backward + step) over {args.steps} steps after 10 of "
              f"warm-up, variants interleaved in 10 rounds inside each job; median over "
-             f"{args.repeats} job(s) per setting. CNN: 1.06M parameters in 12 tensors; MLP: 62,890 "
-             "parameters in 120 tensors; batch 32 per worker.", ""]
-    models = ["cnn", "mlp"]
+             f"{args.repeats} job(s) per setting. cnn: 1.06M parameters in 12 tensors (1-D); mlp: "
+             "62,890 parameters in 120 tensors; cnn2d: 1.42M parameters in 10 tensors (2-D, most "
+             "in one Linear); batch 32 per worker.", ""]
+    models = MODELS
     lines += ["## hvd_scale against plain hvd.DistributedOptimizer (same job)", "",
               "| Horovod setting | model | plain ms | none / plain | adascale / plain |", "|---|---|---|---|---|"]
     summary = {}

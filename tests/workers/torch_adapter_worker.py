@@ -66,6 +66,28 @@ def two_groups(model):
     return [[model[0].weight, model[0].bias], [model[2].weight, model[2].bias]]
 
 
+def reference_step(ref, groups, batches, estimator, lrs, shrink=1.0):
+    """One step of the one-process reference: every micro-batch's gradient, the estimator's gain,
+    and SGD with lr x gain x shrink x the mean micro-gradient, per group. Returns the gain."""
+    per_micro = []
+    for x, y in batches:
+        ref.zero_grad()
+        loss_fn(ref, x, y).backward()
+        per_micro.append(flat_grads(ref, groups(ref)))
+    count = len(per_micro[0])
+    sq_sum = [sum(float(g[i].square().sum()) for g in per_micro) for i in range(count)]
+    mean = [torch.stack([g[i] for g in per_micro]).mean(0) for i in range(count)]
+    gain = estimator.update(sq_sum, [float(m.square().sum()) for m in mean], len(batches))
+    with torch.no_grad():
+        for i, group in enumerate(groups(ref)):
+            offset = 0
+            for p in group:
+                if p.grad is not None:  # an unused parameter has none
+                    p -= lrs[i] * gain * shrink * mean[i][offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+    return gain
+
+
 def case_reference(k, divide_loss):
     """Adapter vs one-process reference; SGD without momentum, two parameter groups."""
     size = hvd.size()
@@ -86,24 +108,11 @@ def case_reference(k, divide_loss):
             (loss / k if divide_loss else loss).backward()
         opt.step()
         # Reference: all ranks' micro-batches in one process, groups with their own lr.
-        batches = [micro_batch(r, step, j) for r in range(size) for j in range(k)]
-        per_micro = []
-        for x, y in batches:
-            ref.zero_grad()
-            loss_fn(ref, x, y).backward()
-            per_micro.append(flat_grads(ref, two_groups(ref)))
-        sq_sum = [sum(float(g[i].square().sum()) for g in per_micro) for i in range(2)]
-        mean = [torch.stack([g[i] for g in per_micro]).mean(0) for i in range(2)]
-        gain = ref_est.update(sq_sum, [float(m.square().sum()) for m in mean], len(batches))
         # hvd_scale applies the mean of the user's micro-gradients: with loss / k they are k
         # times smaller than the reference's (a Horovod habit that hvd_scale does not need).
-        applied = 1 / k if divide_loss else 1
-        with torch.no_grad():
-            for i, group in enumerate(two_groups(ref)):
-                offset = 0
-                for p in group:
-                    p -= ref_opt_lrs[i] * gain * applied * mean[i][offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
+        batches = [micro_batch(r, step, j) for r in range(size) for j in range(k)]
+        gain = reference_step(ref, two_groups, batches, ref_est, ref_opt_lrs,
+                              shrink=1 / k if divide_loss else 1)
         rows.append({"gain": opt.gain, "ref_gain": gain, "sigma2": opt.sigma2,
                      "ref_sigma2": ref_est.sigma2, "mu2": opt.mu2, "ref_mu2": ref_est.mu2,
                      "progress": opt.progress,
@@ -276,21 +285,8 @@ def case_many_tensors():
         x, y = micro_batch(hvd.rank(), step, 0)
         loss_fn(model, x, y).backward()
         opt.step()
-        per_micro = []
-        for r in range(size):
-            ref.zero_grad()
-            loss_fn(ref, *micro_batch(r, step, 0)).backward()
-            per_micro.append(flat_grads(ref, groups(ref)))
-        sq_sum = [sum(float(g[i].square().sum()) for g in per_micro) for i in range(2)]
-        mean = [torch.stack([g[i] for g in per_micro]).mean(0) for i in range(2)]
-        gain = ref_est.update(sq_sum, [float(m.square().sum()) for m in mean], size)
-        with torch.no_grad():
-            for i, group in enumerate(groups(ref)):
-                offset = 0
-                for p in group:
-                    if p.grad is not None:
-                        p -= LR * gain * mean[i][offset:offset + p.numel()].view_as(p)
-                        offset += p.numel()
+        gain = reference_step(ref, groups, [micro_batch(r, step, 0) for r in range(size)],
+                              ref_est, [LR, LR])
         rows.append({"gain": opt.gain, "ref_gain": gain, "sigma2": opt.sigma2,
                      "ref_sigma2": ref_est.sigma2, "mu2": opt.mu2, "ref_mu2": ref_est.mu2,
                      "max_param_diff": float((params_vector(model) - params_vector(ref)).abs().max())})
