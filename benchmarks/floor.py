@@ -59,7 +59,7 @@ def run(name: str, batch: int, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="cnn,mlp,cnn2d")
+    p.add_argument("--models", default="cnn,mlp,cnn2d,transformer")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=200)
     args = p.parse_args(argv)

@@ -6,7 +6,7 @@
 Needs a CUDA build of torch and Horovod built with NCCL (``HOROVOD_GPU_OPERATIONS=NCCL``; see
 README "GPUs"). One process per GPU (``hvd.local_rank()``). Measures, per model of
 benchmarks/torch_overhead.py (the 1-D CNN, the 120-tensor MLP, the 2-D CNN with many
-parameters per FLOP):
+parameters per FLOP, B4's Transformer):
 
 * median step time of plain ``hvd.DistributedOptimizer``, hvd_scale ``none`` and ``adascale``,
   interleaved round by round, each step ending in ``torch.cuda.synchronize()`` so that the
@@ -92,7 +92,7 @@ def run(name: str, steps: int, warmup: int, batch: int, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="cnn,mlp,cnn2d")
+    p.add_argument("--models", default="cnn,mlp,cnn2d,transformer")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch", type=int, default=32)

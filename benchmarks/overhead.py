@@ -36,7 +36,7 @@ SETTINGS = {"default (1 ms)": {}, "cycle 5 ms": CYCLE5,
             "cycle 5 ms, no fusion": {**CYCLE5, "HOROVOD_FUSION_THRESHOLD": "0"},
             "cycle 5 ms, no response cache": {**CYCLE5, "HOROVOD_CACHE_CAPACITY": "0"},
             "cycle 5 ms, 2 torch threads": {**CYCLE5, "OMP_NUM_THREADS": "2"}}
-MODELS = ["cnn", "mlp", "cnn2d"]
+MODELS = ["cnn", "mlp", "cnn2d", "transformer"]
 
 
 def result_line(stdout: str) -> dict:
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
              f"warm-up, variants interleaved in 10 rounds inside each job; median over "
              f"{args.repeats} job(s) per setting. cnn: 1.06M parameters in 12 tensors (1-D); mlp: "
              "62,890 parameters in 120 tensors; cnn2d: 1.42M parameters in 10 tensors (2-D, most "
-             "in one Linear); batch 32 per worker.", ""]
+             "in one Linear); transformer: B4's model, 182,080 parameters in 69 tensors; batch 32 per worker.", ""]
     models = MODELS
     lines += ["## hvd_scale against plain hvd.DistributedOptimizer (same job)", "",
               "| Horovod setting | model | plain ms | none / plain | adascale / plain |", "|---|---|---|---|---|"]

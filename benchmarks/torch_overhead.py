@@ -6,7 +6,8 @@ Variants, interleaved round by round in one job so that machine noise hits all o
     plain     hvd.DistributedOptimizer(SGD)
     none      hvd_scale DistributedOptimizer, policy none (no statistics)
     adascale  hvd_scale DistributedOptimizer, policy adascale
-Models: a 1-D CNN with > 1M parameters, and an MLP with > 100 small parameter tensors.
+Models: a 1-D CNN with > 1M parameters, an MLP with > 100 small parameter tensors, a 2-D CNN
+with many parameters per FLOP, and B4's Transformer (69 tensors).
 Reported: median step time (forward + backward + step) over the measured steps, as ratios to plain.
 """
 
@@ -56,7 +57,31 @@ def cnn2d() -> torch.nn.Module:
         torch.nn.Linear(256, 10))
 
 
-MODELS = {"cnn": (cnn, (1, 40)), "mlp": (mlp, (40,)), "cnn2d": (cnn2d, (3, 16, 16))}
+class _TransformerBench(torch.nn.Module):
+    """B4's Transformer (examples/torch_translate.py: 2 + 2 layers, d_model 64) on token ids made
+    from the benchmark's float input; the logits of the first 10 target words, averaged over
+    positions, are the 10 classes the benchmark's loss expects."""
+
+    SRC, TGT, VOCAB = 20, 24, 64
+
+    def __init__(self):
+        super().__init__()
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+        from torch_translate import Translator
+
+        self.model = Translator(self.VOCAB, self.VOCAB)
+
+    def forward(self, x):
+        ids = (x.abs() * 16).long().clamp(max=self.VOCAB - 1)
+        return self.model(ids[:, :self.SRC], ids[:, self.SRC:])[:, :, :10].mean(1)
+
+
+def transformer() -> torch.nn.Module:
+    return _TransformerBench()
+
+
+MODELS = {"cnn": (cnn, (1, 40)), "mlp": (mlp, (40,)), "cnn2d": (cnn2d, (3, 16, 16)),
+          "transformer": (transformer, (_TransformerBench.SRC + _TransformerBench.TGT,))}
 
 
 def make_variant(kind: str, model: torch.nn.Module):
