@@ -139,7 +139,7 @@ def test_statistics_over_many_tensors_sent_in_buckets(results):
     gradients (adapters/torch.py BUCKET_TENSORS, BUCKET_ELEMENTS): several buckets, one full
     by its size, and an unused layer whose bucket only goes out at synchronize()."""
     r0, r1 = both_ranks(results, "many_tensors")
-    assert r0["tensors"] == 48 and r0["rows"] == r1["rows"]
+    assert r0["tensors"] == 50 and r0["rows"] == r1["rows"]  # 48 used, 2 in the unused layer
     for row in r0["rows"]:
         assert close(row["gain"], row["ref_gain"], rel=1e-9), row
         assert close(row["sigma2"], row["ref_sigma2"], rel=1e-9) and close(row["mu2"], row["ref_mu2"], rel=1e-9)

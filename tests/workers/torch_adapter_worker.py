@@ -259,7 +259,7 @@ def case_unused():
 
 
 def case_many_tensors():
-    """Gradients sent in several buckets (48 tensors, one of 2**18 elements), two parameter
+    """Gradients sent in several buckets (48 used tensors, one of 2**18 elements), two parameter
     groups, and an unused layer whose gradients never come: the statistics and the update
     still equal a one-process reference."""
     size = hvd.size()
