@@ -114,6 +114,9 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                              f"op={op!r} (Adasum) does not produce: use op=hvd.Average, or a "
                              "fixed policy (none, linear, sqrt, warmup) with measure=False")
         self._op = op
+        # Horovod's factors for the gradients (hvd.DistributedOptimizer's): the statistics match.
+        predivide = horovod_options.get("gradient_predivide_factor", 1.0)
+        self._factors = (1.0 / predivide, predivide) if op == hvd.Average else (1.0, 1.0)
         self._grad_scaler = grad_scaler
 
         self._hvd_opt = hvd.DistributedOptimizer(
@@ -247,9 +250,21 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 self._norms[self._group_of[p]].append(n)
 
     def start_statistics(self):
-        """[s..., c] summed over workers, asynchronously (fused with the gradient traffic)."""
-        return hvd.allreduce_async_(self.local_statistics(), op=hvd.Sum, name=STATS_NAME,
+        """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op
+        and pre/postscale factors): Horovod fuses only tensors that agree on these, so the
+        statistics join the gradients' allreduce instead of being a collective of their own.
+        ``_summed`` turns the result into the sum."""
+        return hvd.allreduce_async_(self.local_statistics(), op=self._op, name=STATS_NAME,
+                                    prescale_factor=self._factors[0], postscale_factor=self._factors[1],
                                     process_set=self._process_set)
+
+    def _summed(self, reduced: torch.Tensor) -> torch.Tensor:
+        """[s..., c] summed over workers from what ``start_statistics`` reduced (in place)."""
+        if self._op == hvd.Average:
+            reduced.mul_(self.scaling.hvd.size())
+        count = reduced[len(self.param_groups):len(self.param_groups) + 1]
+        count.round_()  # a count of micro-batches, exact again after the average's rounding
+        return reduced
 
     def _norm(self, g: torch.Tensor) -> torch.Tensor:
         """|g| as a 0-d tensor of the statistics' dtype. Half precision is widened inside the
@@ -346,7 +361,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         if handle is None:
             self._to_mean_gradient(None)
         else:
-            summed = hvd.synchronize(handle)
+            summed = self._summed(hvd.synchronize(handle))
             self._to_mean_gradient(summed[len(self.param_groups)])
             # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
             self._pending = torch.cat([summed, self.mean_sqnorms()])
