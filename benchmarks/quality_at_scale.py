@@ -128,8 +128,20 @@ def plot(table, scales, log_dir: pathlib.Path):
     fig.savefig(RESULTS / "quality_accuracy.png", dpi=70)
     plt.close(fig)
 
+    plot_gain_and_lr(sorted(log_dir.iterdir()), RESULTS / "quality_adascale.png")
+
+
+def plot_gain_and_lr(runs, path: pathlib.Path) -> None:
+    """Gain and effective lr against tau, one line per metrics log directory (B1 and B4)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hvd_scale.launch.plot import read_run
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5), constrained_layout=True)
-    for run in sorted(log_dir.iterdir()):
+    for run in runs:
         label, cols = read_run(run)
         a1.plot(cols["progress"], cols["gain"], label=label)
         a2.plot(cols["progress"], cols["lr"], label=label)
@@ -139,7 +151,7 @@ def plot(table, scales, log_dir: pathlib.Path):
         a.set_xlabel("tau (baseline steps)")
         a.grid(alpha=0.3)
     a1.legend(fontsize=8)
-    fig.savefig(RESULTS / "quality_adascale.png", dpi=70)
+    fig.savefig(path, dpi=70)
     plt.close(fig)
 
 

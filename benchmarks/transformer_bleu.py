@@ -203,7 +203,7 @@ def plot(table, scales):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hvd_scale.launch.plot import read_run
+    from quality_at_scale import plot_gain_and_lr
 
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
     for policy in POLICIES:
@@ -220,19 +220,7 @@ def plot(table, scales):
 
     runs = sorted((d for d in LOG_DIR.iterdir() if (d / "metrics.csv").exists()),
                   key=lambda d: int(d.name.rsplit("S", 1)[-1])) if LOG_DIR.exists() else []
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5), constrained_layout=True)
-    for run in runs:
-        label, cols = read_run(run)
-        a1.plot(cols["progress"], cols["gain"], label=label)
-        a2.plot(cols["progress"], cols["lr"], label=label)
-    a1.set_title("gain vs tau")
-    a2.set_title("effective lr vs tau")
-    for a in (a1, a2):
-        a.set_xlabel("tau (baseline steps)")
-        a.grid(alpha=0.3)
-    a1.legend(fontsize=8)
-    fig.savefig(RESULTS / "bleu_adascale.png", dpi=70)
-    plt.close(fig)
+    plot_gain_and_lr(runs, RESULTS / "bleu_adascale.png")
 
 
 def save(args, sweep, rows, seconds):
