@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hvd_scale.guard import SharpnessGuard, stability_limit
-from hvd_scale.metrics import GUARD_METRICS, LOG_DIR_ENV, MetricsLogger
+from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
+from hvd_scale.metrics import LOG_DIR_ENV, MetricsLogger
 from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_policy
 from hvd_scale.reduce import unpack_step
 
@@ -199,8 +199,7 @@ class Scaling:
     def metrics(self) -> dict[str, float]:
         """``hvd_scale.metrics.STEP_METRICS``: the policy's, the lr the latest step applied, and
         the guard's (nan and inf without one)."""
-        guard = dict.fromkeys(GUARD_METRICS, math.nan) | {"lr_cap": math.inf} \
-            if self.guard is None else self.guard.metrics()
+        guard = UNGUARDED_METRICS if self.guard is None else self.guard.metrics()
         return {**self.policy.metrics(), "lr": self.last_lr, **guard}
 
     # -- checkpoints ---------------------------------------------------------------------------------

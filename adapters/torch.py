@@ -234,15 +234,20 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 handles[p] = sent
         return result
 
-    def _take_norms(self, params: list[torch.Tensor]) -> None:
+    def _grad_norms(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """|p.grad| of each parameter, 0-d tensors of the statistics' dtype: one fused kernel when
+        the gradients allow it (dense, that dtype); adascale_adam's preconditioned gradients one
+        at a time (one alive at a time, not the whole model's)."""
         grads = [p.grad for p in params]
         if self.policy.statistics == "preconditioned":
-            norms = [self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
-                     for p, g in zip(params, grads)]
-        elif all(g.dtype == self._stats_dtype and not g.is_sparse for g in grads):
-            norms = torch._foreach_norm(grads)  # one fused kernel for the bucket
-        else:
-            norms = [self._norm(g) for g in grads]
+            return [self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
+                    for p, g in zip(params, grads)]
+        if all(g.dtype == self._stats_dtype and not g.is_sparse for g in grads):
+            return list(torch._foreach_norm(grads))
+        return [self._norm(g) for g in grads]
+
+    def _take_norms(self, params: list[torch.Tensor]) -> None:
+        norms = self._grad_norms(params)
         if len(self._norms) == 1:
             self._norms[0].extend(norms)
         else:
@@ -298,21 +303,11 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     def mean_sqnorms(self) -> torch.Tensor:
         """|g_bar|^2 per group from the mean micro-gradient that p.grad holds after synchronize."""
-        precondition = self.policy.statistics == "preconditioned"
-        dt = self._stats_dtype
         out = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                out.append(torch.zeros((), dtype=dt))
-                continue
-            if precondition:  # one preconditioned gradient alive at a time, not the whole model
-                norms = [self._norm(self._precondition(p, p.grad, group)) for p in params]
-            elif all(p.grad.dtype == dt for p in params):
-                norms = torch._foreach_norm([p.grad for p in params])  # one fused kernel
-            else:
-                norms = [self._norm(p.grad) for p in params]
-            out.append(torch.stack(norms).square().sum())
+            out.append(torch.stack(self._grad_norms(params)).square().sum() if params
+                       else torch.zeros((), dtype=self._stats_dtype))
         return torch.stack(out)
 
     def _to_mean_gradient(self, count: torch.Tensor | None) -> None:
@@ -425,14 +420,17 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                              f"worker's loss on its current batch, got guard_loss={guard_loss!r}")
         group = self.param_groups[0]
         params = [p for p in self._params() if p.requires_grad]
-        scaling = None
         if self.optimizer_name in ADAM_OPTIMIZERS:
             # Adam's stability is about P^-1 H, P = diag(sqrt(v_hat) + eps): before its first
             # step there is no v_hat, and the next step measures instead (alike on every rank).
-            states = [self.state.get(p, {}) for p in params]
-            if not all("exp_avg_sq" in st for st in states):
+            if not all("exp_avg_sq" in self.state.get(p, {}) for p in params):
                 return
             scaling = [self._precondition(p, torch.ones_like(p), group).sqrt_() for p in params]
+            limits = {"beta1": group["betas"][0]}
+        else:
+            scaling = None
+            limits = {"momentum": group.get("momentum", 0.0), "dampening": group.get("dampening", 0.0),
+                      "nesterov": bool(group.get("nesterov", False))}
         self._hooks_paused = True
         try:
             with torch.enable_grad():
@@ -442,11 +440,6 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             self._hooks_paused = False
         mean = hvd.allreduce(torch.tensor(local, dtype=torch.float64), op=hvd.Average,
                              name=SHARPNESS_NAME, process_set=self._process_set).item()
-        if self.optimizer_name in ADAM_OPTIMIZERS:
-            limits = {"beta1": group["betas"][0]}
-        else:
-            limits = {"momentum": group.get("momentum", 0.0), "dampening": group.get("dampening", 0.0),
-                      "nesterov": bool(group.get("nesterov", False))}
         if math.isfinite(mean):  # else this step's gradients overflow too: it will be skipped,
             guard.update(mean, step, optimizer=self.optimizer_name, **limits)  # and measured again
 

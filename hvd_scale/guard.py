@@ -28,6 +28,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+# ``metrics()`` of a job without a guard: no estimate, no cap.
+UNGUARDED_METRICS = {"sharpness": math.nan, "lr_cap": math.inf}
+
 # The optimizer families the limits above cover (class names; torch and Keras agree).
 SGD_OPTIMIZERS = frozenset({"SGD"})
 ADAM_OPTIMIZERS = frozenset({"Adam", "AdamW"})

@@ -267,12 +267,17 @@ def test_missing_sdist_file_fails_clearly(tmp_path, capsys):
     assert code == 1 and "no such file" in capsys.readouterr().err
 
 
-def test_cached_wheel_is_used_and_copied_out(tmp_path, capsys):
+def this_environment():
+    """(this interpreter's environment, its cache key); skips where no framework is installed."""
     env = bh.probe(sys.executable)
     try:
-        key = bh.make_plan(env, set(), set()).key
+        return env, bh.make_plan(env, set(), set()).key
     except bh.BuildError as e:
         pytest.skip(f"no framework here: {e}")
+
+
+def test_cached_wheel_is_used_and_copied_out(tmp_path, capsys):
+    _, key = this_environment()
     cache = tmp_path / "cache"
     wheel = cache / "wheels" / key / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
     wheel.parent.mkdir(parents=True)
@@ -307,11 +312,7 @@ def test_dry_run_changes_nothing(tmp_path, capsys):
 
 
 def test_an_up_to_date_environment_is_left_alone(tmp_path, capsys):
-    env = bh.probe(sys.executable)
-    try:
-        key = bh.make_plan(env, set(), set()).key
-    except bh.BuildError as e:
-        pytest.skip(f"no framework here: {e}")
+    env, key = this_environment()
     if bh.installed_key(env) != key:
         pytest.skip("Horovod is not installed here by set-up for this key")
     cache = tmp_path / "empty-cache"
