@@ -148,8 +148,11 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         # the norms are taken right there, a bucket at a time (one fused kernel per bucket, and
         # no hook of ours per tensor). With accumulation (or Horovod's groups=) each pass's
         # gradient is seen only by a tensor hook, before it is added into p.grad.
+        # Horovod hooks the parameters only where it allreduces (not in a one-process job that
+        # is not elastic): there the tensor hooks count the pass.
         self._bucketed = (self._measure and backward_passes_per_step == 1
-                          and horovod_options.get("groups") is None)
+                          and horovod_options.get("groups") is None
+                          and bool(self._hvd_opt._requires_update))
         self._bucket: list[torch.Tensor] = []
         self._bucket_elements = 0
         self._sending_rest = False  # Horovod's synchronize() sends what backward did not produce

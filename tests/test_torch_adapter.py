@@ -17,7 +17,7 @@ LR = 0.05
 def results(tmp_path_factory):
     # One horovodrun job runs every case; then one process resumes its checkpoint, 2 passes a step.
     return run_cases(WORKERS_DIR / "torch_adapter_worker.py", NP, timeout=240,
-                     test_dir=tmp_path_factory.mktemp("torch_adapter"), single=["resume_np1"])
+                     test_dir=tmp_path_factory.mktemp("torch_adapter"), single=["resume_np1", "one_process"])
 
 
 def both_ranks(results, case):
@@ -201,6 +201,16 @@ def test_resume_at_another_world_size_same_scale(results):
     assert resumed["gain"] == pytest.approx(full["gain"], rel=1e-9)
     # One process, one pass, S = 2: no variance estimate is possible, said up front.
     assert "needs at least 2 micro-gradients" in resumed["n1_error"]
+
+
+@pytest.mark.timeout(300)
+def test_one_process_measured_steps(results):
+    """python train.py (no horovodrun): S = 1, and the statistics still count the one pass."""
+    r = results["one_process"][0]
+    for policy in ("adascale", "none"):
+        assert r[policy]["steps"] == 3 and r[policy]["skipped"] == 0
+        assert r[policy]["progress"] == pytest.approx(3.0) and r[policy]["gain"] == 1.0
+        assert r[policy]["lr"] == LR
 
 
 @pytest.mark.timeout(180)

@@ -437,6 +437,21 @@ def case_resume_np1():
          n1_error=n1_error)
 
 
+def case_one_process():
+    """One process, one pass a step (S = 1), statistics measured: Horovod hooks no parameter
+    when it has nothing to allreduce, so the adapter's own hooks must count the pass."""
+    out = {}
+    for policy in ("adascale", "none"):
+        model = make_model()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                                   named_parameters=model.named_parameters(), policy=policy,
+                                   measure=True)
+        steps_for_resize(model, opt, 0, 3, 1)
+        out[policy] = {"progress": opt.progress, "gain": opt.gain, "steps": opt.policy.steps,
+                       "skipped": opt.policy.skipped, "lr": opt.param_groups[0]["lr"]}
+    emit("one_process", **out)
+
+
 CASES = {
     "misuse": case_misuse,
     "save_for_resize": case_save_for_resize,
@@ -451,12 +466,13 @@ CASES = {
     "many_tensors": case_many_tensors,
     "bad_policy": case_bad_policy,
     "resume_np1": case_resume_np1,  # single process, after save_for_resize
+    "one_process": case_one_process,  # single process
 }
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("cases", nargs="*", default=[c for c in CASES if c != "resume_np1"])
+    parser.add_argument("cases", nargs="*", default=[c for c in CASES if c not in ("resume_np1", "one_process")])
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
