@@ -180,15 +180,19 @@ def test_save_and_load_continue_the_run(backend_results):
 @pytest.mark.timeout(480)
 def test_nonfinite_gradient_is_skipped_on_every_rank(results):
     r0, r1 = both_ranks(results, "nonfinite")
-    assert r0["start_hash"] == r1["start_hash"]  # broadcast_state in a custom loop
-    for r in (r0, r1):
-        rows = r["rows"]
-        assert r["skipped"] == 1
-        assert rows[1]["moved"] == 0.0
-        assert rows[1]["progress"] == rows[0]["progress"] and rows[1]["iterations"] == 1
-        assert rows[1]["sigma2"] == rows[0]["sigma2"]  # statistics untouched
-        assert rows[2]["moved"] > 0 and rows[2]["progress"] > rows[1]["progress"]
-    assert r0["hash"] == r1["hash"]
+    for policy in ("adascale", "none"):
+        a0, a1 = r0[policy], r1[policy]
+        assert a0["measured"] is (policy == "adascale")
+        assert a0["start_hash"] == a1["start_hash"]  # broadcast_state in a custom loop
+        for r in (a0, a1):
+            rows = r["rows"]
+            assert r["skipped"] == 1
+            assert rows[1]["moved"] == 0.0
+            assert rows[1]["progress"] == rows[0]["progress"] and rows[1]["iterations"] == 1
+            if policy == "adascale":
+                assert rows[1]["sigma2"] == rows[0]["sigma2"]  # statistics untouched
+            assert rows[2]["moved"] > 0 and rows[2]["progress"] > rows[1]["progress"]
+        assert a0["hash"] == a1["hash"]
 
 
 @pytest.mark.timeout(480)

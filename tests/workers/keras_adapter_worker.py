@@ -301,23 +301,27 @@ def case_checkpoint():
 
 
 def case_nonfinite():
-    """A NaN gradient on one rank skips the step on every rank, weights and tau untouched."""
-    model = make_model(seed=hvd.rank())
-    opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale")
-    broadcast_state(model, opt)  # custom loop: the helper builds the optimizer and broadcasts
-    start_hash = weights_hash(model)
-    rows = []
-    for step in range(3):
-        x, y = micro_batch(hvd.rank(), step, 0)
-        if step == 1 and hvd.rank() == 0:
-            x = x * np.nan
-        before = weights_vector(model)
-        opt.apply(grads_of(model, x, y), model.trainable_variables)
-        after = weights_vector(model)
-        rows.append({"moved": float(np.max(np.abs(after - before))), "progress": opt.progress,
-                     "iterations": int(opt.iterations.numpy()), "sigma2": opt.sigma2})
-    emit("nonfinite", rows=rows, skipped=opt.policy.skipped, start_hash=start_hash,
-         hash=weights_hash(model))
+    """A NaN gradient on one rank skips the step on every rank, weights and tau untouched: with
+    statistics (adascale) and without (none: the averaged gradient's squared norm decides)."""
+    out = {}
+    for policy in ("adascale", "none"):
+        model = make_model(seed=hvd.rank())
+        opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy=policy)
+        broadcast_state(model, opt)  # custom loop: the helper builds the optimizer and broadcasts
+        start_hash = weights_hash(model)
+        rows = []
+        for step in range(3):
+            x, y = micro_batch(hvd.rank(), step, 0)
+            if step == 1 and hvd.rank() == 0:
+                x = x * np.nan
+            before = weights_vector(model)
+            opt.apply(grads_of(model, x, y), model.trainable_variables)
+            after = weights_vector(model)
+            rows.append({"moved": float(np.max(np.abs(after - before))), "progress": opt.progress,
+                         "iterations": int(opt.iterations.numpy()), "sigma2": opt.sigma2})
+        out[policy] = {"rows": rows, "skipped": opt.policy.skipped, "start_hash": start_hash,
+                       "hash": weights_hash(model), "measured": opt.scaling.measure}
+    emit("nonfinite", **out)
 
 
 def case_loss_scale():
