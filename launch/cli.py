@@ -28,8 +28,8 @@ DESCRIPTION = ("Run a training script under horovodrun, Ray or Spark with a lear
 SETUP_HINT = engines.SETUP_HINT
 
 # The environment every worker gets, and how each engine starts them: launch/engines.py.
-# CPU_ENV_DEFAULTS (one BLAS thread per worker, a 5 ms Horovod cycle) is defined and explained
-# there.
+# CPU_ENV_DEFAULTS (one BLAS thread per worker, a 5 ms Horovod cycle; only the thread where the
+# driver has a GPU) is defined and explained there.
 CPU_ENV_DEFAULTS = engines.CPU_ENV_DEFAULTS
 
 # Options that only some engines take: option -> (attribute, the engines that take it).

@@ -2,7 +2,7 @@
 
 An engine runs N workers of an unchanged training command, or of a Python function, with the
 environment hvd_scale hands to workers (``HVD_SCALE_POLICY``, ``HVD_SCALE_LOG_DIR`` and
-``CPU_ENV_DEFAULTS``, all in ``Job.env``), and returns the command's exit status or the function's
+``CPU_ENV_DEFAULTS`` or ``GPU_ENV_DEFAULTS``, all in ``Job.env``), and returns the command's exit status or the function's
 per-rank results. The shared half below (``run``, ``run_command``) builds the ``Job`` and calls
 only the four hooks of ``Engine``; it knows nothing else of horovodrun, Ray or Spark:
 
@@ -44,10 +44,22 @@ from hvd_scale.policies import POLICY_ENV, parse_spec
 # - one BLAS/OpenMP thread per worker: the workers already use every core between them, and more
 #   threads oversubscribe the cores and slow every collective down;
 # - a 5 ms Horovod cycle instead of 1 ms: each worker's background thread wakes every cycle, and
-#   on a small CPU machine those wake-ups compete with the compute; measured on 2 cores, plain
-#   Horovod steps took 0.69x (CNN) and 0.78x (MLP) the time of the default, hvd_scale adascale
-#   steps 0.77x and 0.78x.
+#   on a small CPU machine those wake-ups compete with the compute; measured on 2 cores (3 jobs
+#   each), plain Horovod steps took 0.87-0.94x the time of the default on four models.
+# horovodrun's controller is left to it: MPI where Horovod has it, measured as fast as Gloo or
+# faster (0.92x on a 120-tensor MLP).
+#   Measured on CPUs only: where the driver sees a GPU, the cycle is left to Horovod (GPU steps
+#   are short, and a longer cycle would delay every allreduce); one thread per worker stays, as
+#   torchrun sets it too.
 CPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
+GPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1"}
+# Device files of NVIDIA's and AMD's (ROCm) drivers: there without importing a framework.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+def driver_has_gpu() -> bool:
+    """This machine has a GPU driver's device file (the workers are taken to be alike)."""
+    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 SETUP_HINT = "run `make setup` (or `bash launch/setup_env.sh`) in the hvd_scale repository"
 INSTALL_HINTS = {
@@ -118,11 +130,13 @@ class Engine(Protocol):
 # The shared half: calls only the hooks above.
 
 def worker_env(policy: str | None = None, log_dir: str | os.PathLike | None = None,
-               environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables hvd_scale hands every worker: CPU_ENV_DEFAULTS (the driver's own value where
-    it has one), the policy spec and the absolute log directory (created here)."""
+               environ: Mapping[str, str] | None = None, gpu: bool | None = None) -> dict[str, str]:
+    """The variables hvd_scale hands every worker: CPU_ENV_DEFAULTS, or GPU_ENV_DEFAULTS where the
+    driver has a GPU (``gpu``; default ``driver_has_gpu()``), each unless the driver's environment
+    sets it; the policy spec and the absolute log directory (created here)."""
     environ = os.environ if environ is None else environ
-    env = {key: environ.get(key, value) for key, value in CPU_ENV_DEFAULTS.items()}
+    defaults = GPU_ENV_DEFAULTS if (driver_has_gpu() if gpu is None else gpu) else CPU_ENV_DEFAULTS
+    env = {key: environ.get(key, value) for key, value in defaults.items()}
     if policy is not None:
         parse_spec(policy)  # a bad spec is a ValueError before anything starts
         env[POLICY_ENV] = policy

@@ -95,6 +95,22 @@ def test_run_calls_start_run_shutdown_with_the_job(tmp_path, monkeypatch):
     assert (tmp_path / "logs").is_dir()
 
 
+def test_the_cpu_cycle_default_stays_off_gpu_machines(tmp_path, monkeypatch):
+    """The 5 ms cycle was measured on CPUs: a driver with a GPU device file gets only the thread
+    default; the user's own value wins either way."""
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    device = tmp_path / "nvidiactl"
+    monkeypatch.setattr(engines, "GPU_DEVICE_FILES", (str(device),))
+    assert engines.worker_env() == {"OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
+    device.touch()
+    assert engines.driver_has_gpu()
+    assert engines.worker_env() == {"OMP_NUM_THREADS": "1"}
+    assert engines.worker_env(gpu=False)["HOROVOD_CYCLE_TIME"] == "5"
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2")
+    assert engines.worker_env(gpu=False)["HOROVOD_CYCLE_TIME"] == "2"
+
+
 def test_shutdown_follows_a_failed_run_or_start():
     toy = ToyEngine(fail_in_run=True)
     with pytest.raises(RuntimeError, match="a worker died"):
