@@ -39,10 +39,8 @@ def worker(rank: int, world: int, args, port: int, out):
             if kind == "fairscale":
                 opt = AdaScale(opt)
             variants[kind] = (model, opt)
-        res = time_interleaved(variants, shape, args.batch, rank, args.steps, args.warmup,
-                               args.rounds)
-        res["fairscale"]["ratio_to_ddp"] = res["fairscale"]["median_ms"] / res["ddp"]["median_ms"]
-        results[name] = res
+        results[name] = time_interleaved(variants, shape, args.batch, rank, args.steps,
+                                         args.warmup, args.rounds, baseline="ddp")
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
@@ -51,10 +49,10 @@ def worker(rank: int, world: int, args, port: int, out):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="cnn,mlp")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=180)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--port", type=int, default=29511)
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")

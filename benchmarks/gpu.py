@@ -10,7 +10,8 @@ parameters per FLOP, B4's Transformer):
 
 * median step time of plain ``hvd.DistributedOptimizer``, hvd_scale ``none`` and ``adascale``,
   interleaved round by round, each step ending in ``torch.cuda.synchronize()`` so that the
-  asynchronous GPU work is inside the time (ratios to plain);
+  asynchronous GPU work is inside the time (ratios to plain, paired round by round:
+  benchmarks/timing.py);
 * host synchronizations per step, counted by torch's CUDA sync debug mode: plain Horovod has
   none of its own; hvd_scale's design has one (the statistics' ``tolist()``), or one bool for
   ``none`` (the finiteness check) -- any more is a regression;
@@ -25,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
+import timing  # noqa: E402
 from torch_overhead import MODELS, make_variant  # noqa: E402
 
 
@@ -68,24 +68,20 @@ def run(name: str, steps: int, warmup: int, batch: int, rounds: int) -> dict:
         loss_fn(model(x), y).backward()
         opt.step()
 
-    times = {kind: [] for kind in variants}
-    per_round = max(1, (steps + warmup) // rounds)
-    for _ in range(rounds):
-        for kind, (model, opt) in variants.items():
-            for _ in range(per_round):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step(model, opt)
-                torch.cuda.synchronize()
-                times[kind].append(time.perf_counter() - t0)
+    def timed(model, opt):
+        def fn():  # the GPU's work inside the time
+            torch.cuda.synchronize()
+            step(model, opt)
+            torch.cuda.synchronize()
+        return fn
+
+    summary = timing.summarize(timing.interleave({k: timed(*v) for k, v in variants.items()},
+                                                 rounds, max(1, steps // rounds), warmup), "plain")
     out = {"model": name, "device": torch.cuda.get_device_name(device), "workers": hvd.size(),
            "params": sum(p.numel() for p in variants["plain"][0].parameters()),
            "tensors": sum(1 for _ in variants["plain"][0].parameters()), "batch": batch}
-    for kind, t in times.items():
-        out[kind] = {"median_ms": 1000 * statistics.median(t[warmup:]),
-                     "host_syncs_per_step": count_syncs(lambda: step(*variants[kind]))}
-    for kind in ("none", "adascale"):
-        out[kind]["ratio_to_plain"] = out[kind]["median_ms"] / out["plain"]["median_ms"]
+    for kind in variants:
+        out[kind] = {**summary[kind], "host_syncs_per_step": count_syncs(lambda: step(*variants[kind]))}
     out["adascale"]["gain"] = variants["adascale"][1].gain
     return out
 
@@ -96,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args(argv)
     hvd.init()
     if not torch.cuda.is_available():

@@ -1,8 +1,11 @@
 """B3: step time of the Keras adapter against a plain Horovod loop (TensorFlow backend).
 
-    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/keras_overhead.py
+    .venv/bin/python benchmarks/keras_overhead.py      # 3 horovodrun -np 2 jobs, ~8 minutes
 
-Variants, each a compiled (tf.function) custom training step, interleaved round by round:
+Each job (Gloo, with the environment `hvd-scale run` gives CPU jobs: one thread, a 5 ms cycle)
+times variants, each a compiled (tf.function) custom training step, taking turns round by round
+(ratios to plain paired by round: benchmarks/timing.py); results/keras_overhead.md holds the
+median over the jobs. Variants:
     plain     tf.GradientTape, hvd.grouped_allreduce of the gradients, SGD.apply
               (what horovod.tensorflow's DistributedGradientTape does; that class itself fails
               with Keras 3 variables)
@@ -15,11 +18,15 @@ small variables, a 2-D CNN with 1.42M parameters in 10 variables (most in one De
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import pathlib
+import platform
+import shlex
 import statistics
+import subprocess
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import horovod.tensorflow as hvd  # noqa: E402
@@ -27,6 +34,10 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from hvd_scale.adapters.keras import DistributedOptimizer  # noqa: E402
+from hvd_scale.launch.engines import CPU_ENV_DEFAULTS  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
 
 
 def cnn():
@@ -87,41 +98,22 @@ def make_step(kind, model):
 
 def run(name, steps, warmup, rounds, batch):
     build, shape = MODELS[name]
+    x = tf.random.stateless_normal((batch, *shape), seed=(hvd.rank(), 0))
+    y = tf.random.stateless_uniform((batch,), seed=(hvd.rank(), 1), maxval=10, dtype=tf.int32)
     variants = {}
     for kind in ("plain", "none", "adascale"):
         keras.utils.set_random_seed(0)
-        model = build()
-        variants[kind] = (make_step(kind, model), [])
-    model0 = build()
-    params = sum(int(tf.size(v)) for v in model0.trainable_variables)
-    tensors = len(model0.trainable_variables)
-    x = tf.random.stateless_normal((batch, *shape), seed=(hvd.rank(), 0))
-    y = tf.random.stateless_uniform((batch,), seed=(hvd.rank(), 1), maxval=10, dtype=tf.int32)
-    per_round = max(1, (steps + warmup) // rounds)
-    for kind, (step, _) in variants.items():
+        step = make_step(kind, build())
         step(x, y)  # trace outside the timing
-    for _ in range(rounds):
-        for kind, (step, times) in variants.items():
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                step(x, y).numpy()
-                times.append(time.perf_counter() - t0)
-    out = {"model": name, "params": params, "tensors": tensors, "batch": batch}
-    for kind, (_, times) in variants.items():
-        out[kind] = {"median_ms": 1000 * statistics.median(times[warmup:]), "steps": len(times) - warmup}
-    for kind in ("none", "adascale"):
-        out[kind]["ratio_to_plain"] = out[kind]["median_ms"] / out["plain"]["median_ms"]
-    return out
+        variants[kind] = (lambda step=step: step(x, y).numpy())
+    model0 = build()
+    out = {"model": name, "params": sum(int(tf.size(v)) for v in model0.trainable_variables),
+           "tensors": len(model0.trainable_variables), "batch": batch}
+    times = timing.interleave(variants, rounds, max(1, steps // rounds), warmup)
+    return {**out, **timing.summarize(times, "plain")}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--models", default="cnn,mlp,cnn2d")
-    args = p.parse_args(argv)
+def job(args) -> int:
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -130,6 +122,63 @@ def main(argv=None):
         if hvd.rank() == 0:
             print("RESULT " + json.dumps({"rank": 0, **result}), flush=True)
     return 0
+
+
+def drive(args, argv) -> int:
+    """`--repeats` horovodrun jobs of this script, one after another; the median of their
+    paired ratios, written to results/keras_overhead.md and .json."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    bin_dir = pathlib.Path(sys.executable).parent
+    cmd = [str(bin_dir / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+           str(bin_dir / "python"), "benchmarks/keras_overhead.py", "--job",
+           "--steps", str(args.steps), "--rounds", str(args.rounds), "--models", args.models]
+    env = {**os.environ, **CPU_ENV_DEFAULTS}  # what `hvd-scale run` sets for CPU jobs
+    runs = []
+    for _ in range(args.repeats):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        runs.append({r["model"]: r for r in timing.result_lines(proc.stdout)})
+        print({m: round(r["adascale"]["ratio_to_plain"], 3) for m, r in runs[-1].items()}, flush=True)
+    lines = ["# B3: step-time overhead (Keras 3 adapter, TensorFlow backend, np 2, Gloo, 5 ms cycle, "
+             "one thread per process)", "",
+             f"Compiled (tf.function) custom training steps taking turns in {args.rounds} rounds inside "
+             f"each job ({args.steps} measured steps per variant); ratios to plain paired round by round "
+             f"(benchmarks/timing.py); median over {args.repeats} jobs, each job's value in brackets.",
+             "`plain` is tf.GradientTape + hvd.grouped_allreduce + SGD.apply (what "
+             "DistributedGradientTape does; that class fails with Keras 3 variables).", "",
+             "| model | parameters (tensors) | plain ms | none / plain | adascale / plain |",
+             "|---|---|---|---|---|"]
+    for m in args.models.split(","):
+        rs = [r[m] for r in runs]
+        cells = []
+        for kind in ("none", "adascale"):
+            vals = [r[kind]["ratio_to_plain"] for r in rs]
+            cells.append(f"{statistics.median(vals):.3f} [{', '.join(f'{v:.3f}' for v in vals)}]")
+        plain = statistics.median(r["plain"]["median_ms"] for r in rs)
+        lines.append(f"| {m} | {rs[0]['params']:,} ({rs[0]['tensors']}) | {plain:.1f} | {cells[0]} | {cells[1]} |")
+    lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+              f"- machine: {os.cpu_count()} CPUs, {platform.machine()}",
+              f"- rerun: `.venv/bin/python benchmarks/keras_overhead.py {shlex.join(argv)}`".rstrip()]
+    results = root / "benchmarks" / "results"
+    (results / "keras_overhead.md").write_text("\n".join(lines) + "\n")
+    (results / "keras_overhead.json").write_text(json.dumps(runs, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=180, help="measured steps per variant")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--models", default="cnn,mlp,cnn2d")
+    p.add_argument("--repeats", type=int, default=3, help="jobs (the driver)")
+    p.add_argument("--job", action="store_true", help="one job's worker (under horovodrun)")
+    args = p.parse_args(argv)
+    return job(args) if args.job else drive(args, argv)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """B2: step-time overhead of the torch adapter, its fairscale anchor, and Horovod's CPU settings.
 
-    .venv/bin/python benchmarks/overhead.py            # ~10 minutes on 2 cores
-    .venv/bin/python benchmarks/overhead.py --quick    # ~3 minutes
+    .venv/bin/python benchmarks/overhead.py            # every setting, 2 jobs each: ~45 minutes
+    .venv/bin/python benchmarks/overhead.py --quick    # ~8 minutes
 
 1. hvd_scale (policy none, adascale) against plain hvd.DistributedOptimizer: one horovodrun -np 2
-   (Gloo) job per Horovod setting, the three variants interleaved inside it
-   (benchmarks/torch_overhead.py: the 1-D CNN, the 120-tensor MLP, the 2-D CNN); settings:
-   Horovod's defaults (cycle time 1 ms), the launcher's 5 ms cycle, and on top of it autotuning,
-   no tensor fusion, and no response cache (every tensor negotiated every step); each job run
-   `--repeats` times, alternating, median of the per-job medians.
+   job per Horovod setting, the variants taking turns inside it (benchmarks/torch_overhead.py:
+   the 1-D CNN, the 120-tensor MLP, the 2-D CNN, B4's Transformer; ratios paired round by round,
+   benchmarks/timing.py); settings: Horovod's defaults (Gloo, cycle time 1 ms), the launcher's
+   5 ms cycle, the same under MPI (horovodrun's own choice, so what `hvd-scale run` gets), and
+   on the 5 ms cycle autotuning, no tensor fusion, and no response cache (every tensor
+   negotiated every step); each job run `--repeats` times, alternating, median of the per-job
+   ratios.
 2. Plain DDP and fairscale 0.4.13's AdaScale over DDP (torch.distributed Gloo, 2 processes;
    benchmarks/ddp_fairscale.py); fairscale is installed into ~/.cache/hvd_scale only for this.
 Writes benchmarks/results/overhead.md and overhead.json.
@@ -22,6 +24,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -30,20 +33,26 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = pathlib.Path(sys.executable).parent
 FAIRSCALE = pathlib.Path.home() / ".cache" / "hvd_scale" / "fairscale-0.4.13"
-CYCLE5 = {"HOROVOD_CYCLE_TIME": "5"}  # what `hvd-scale run` sets for CPU jobs
+from hvd_scale.launch.engines import CPU_ENV_DEFAULTS  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
+
+CYCLE5 = {"HOROVOD_CYCLE_TIME": CPU_ENV_DEFAULTS["HOROVOD_CYCLE_TIME"]}  # `hvd-scale run`'s
 SETTINGS = {"default (1 ms)": {}, "cycle 5 ms": CYCLE5,
+            # horovodrun's own choice when Horovod has MPI (what `hvd-scale run` gets by default)
+            "cycle 5 ms + MPI": CYCLE5,
             "cycle 5 ms + autotune": {**CYCLE5, "HOROVOD_AUTOTUNE": "1"},
-            "cycle 5 ms, no fusion": {**CYCLE5, "HOROVOD_FUSION_THRESHOLD": "0"},
-            "cycle 5 ms, no response cache": {**CYCLE5, "HOROVOD_CACHE_CAPACITY": "0"}}
+            "cycle 5 ms + no fusion": {**CYCLE5, "HOROVOD_FUSION_THRESHOLD": "0"},
+            "cycle 5 ms + no response cache": {**CYCLE5, "HOROVOD_CACHE_CAPACITY": "0"}}
+CONTROLLER = {"cycle 5 ms + MPI": "--mpi"}  # others: --gloo
 # Not a setting here: 2 torch threads per process (4 compute threads and Horovod's on 2 cores)
 # did not finish one job in 11 minutes on 2026-11-30, against about 1 minute with 1 thread.
 MODELS = ["cnn", "mlp", "cnn2d", "transformer"]
 
 
-def result_line(stdout: str) -> dict:
-    for line in stdout.splitlines():
-        if "RESULT " in line:
-            yield json.loads(line.split("RESULT ", 1)[1])
+def _each(values) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
 
 def run(cmd, env_extra, timeout=1200) -> str:
@@ -57,7 +66,7 @@ def run(cmd, env_extra, timeout=1200) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=180)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help=f"comma-separated, of: {', '.join(SETTINGS)}")
@@ -65,8 +74,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     settings = {name: SETTINGS[name] for name in args.settings.split(",")}
     if args.quick:
-        args.steps, args.repeats = 30, 1
-    step_args = ["--steps", str(args.steps), "--warmup", "10", "--rounds", "10",
+        args.steps, args.repeats = 60, 1
+    step_args = ["--steps", str(args.steps), "--warmup", "10", "--rounds", str(args.steps // 6),
                  "--models", ",".join(MODELS)]
     if not (FAIRSCALE / "fairscale").exists():
         subprocess.run([str(BIN / "python"), "-m", "pip", "install", "-q", "--no-deps",
@@ -76,22 +85,23 @@ def main(argv=None) -> int:
     ddp_runs = []
     for _ in range(args.repeats):
         for name, env in settings.items():
-            out = run([str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+            out = run([str(BIN / "horovodrun"), CONTROLLER.get(name, "--gloo"), "-np", "2", "-H", "localhost:2",
                        str(BIN / "python"), "benchmarks/torch_overhead.py"] + step_args, env)
-            hvd_runs[name].append({r["model"]: r for r in result_line(out)})
+            hvd_runs[name].append({r["model"]: r for r in timing.result_lines(out)})
             print(name, {m: round(r["plain"]["median_ms"], 1) for m, r in hvd_runs[name][-1].items()}, flush=True)
         out = run([str(BIN / "python"), "benchmarks/ddp_fairscale.py"] + step_args,
                   {"PYTHONPATH": str(FAIRSCALE)})
-        ddp_runs.append(next(result_line(out)))
+        ddp_runs.append(next(timing.result_lines(out)))
         print("ddp", {m: round(r["ddp"]["median_ms"], 1) for m, r in ddp_runs[-1].items() if m != "rank"}, flush=True)
 
     def med(values):
         return statistics.median(values)
 
-    lines = ["# B2: step-time overhead (torch, np 2, Gloo, one thread per process)", "",
-             f"Median step time (forward + backward + step) over {args.steps} steps after 10 of "
-             f"warm-up, variants interleaved in 10 rounds inside each job; median over "
-             f"{args.repeats} job(s) per setting. cnn: 1.06M parameters in 12 tensors (1-D); mlp: "
+    lines = ["# B2: step-time overhead (torch, np 2, Gloo unless the setting says MPI, one thread per process)", "",
+             f"Step time (forward + backward + step), {args.steps} steps per variant after 10 of "
+             f"warm-up, the variants taking turns in {args.steps // 6} rounds inside each job; "
+             "ratios paired round by round (benchmarks/timing.py); median over "
+             f"{args.repeats} job(s) per setting, each job's ratio in brackets. cnn: 1.06M parameters in 12 tensors (1-D); mlp: "
              "62,890 parameters in 120 tensors; cnn2d: 1.42M parameters in 10 tensors (2-D, most "
              "in one Linear); transformer: B4's model, 182,080 parameters in 69 tensors; batch 32 per worker.", ""]
     models = MODELS
@@ -101,18 +111,22 @@ def main(argv=None) -> int:
     for name, runs in hvd_runs.items():
         for m in models:
             plain = med([r[m]["plain"]["median_ms"] for r in runs])
-            none = med([r[m]["none"]["ratio_to_plain"] for r in runs])
-            ada = med([r[m]["adascale"]["ratio_to_plain"] for r in runs])
+            nones = [r[m]["none"]["ratio_to_plain"] for r in runs]
+            adas = [r[m]["adascale"]["ratio_to_plain"] for r in runs]
+            none, ada = med(nones), med(adas)
             ada_ms = med([r[m]["adascale"]["median_ms"] for r in runs])
             summary[(name, m)] = {"plain": plain, "none": none, "adascale": ada, "adascale_ms": ada_ms}
-            lines.append(f"| {name} | {m} | {plain:.1f} | {none:.3f} | {ada:.3f} |")
+            lines.append(f"| {name} | {m} | {plain:.1f} | {none:.3f} {_each(nones)} | "
+                         f"{ada:.3f} {_each(adas)} |")
     ddp = {m: med([r[m]["ddp"]["median_ms"] for r in ddp_runs]) for m in models}
     fs = {m: med([r[m]["fairscale"]["median_ms"] for r in ddp_runs]) for m in models}
     lines += ["", "## The anchor: DDP and fairscale AdaScale over DDP (torch.distributed, Gloo)", "",
-              "| model | DDP ms | fairscale AdaScale / DDP | plain Horovod (default) / DDP |", "|---|---|---|---|"]
+              "| model | DDP ms | fairscale AdaScale / DDP | plain Horovod (first setting) / DDP |", "|---|---|---|---|"]
+    first = next(iter(settings))
     for m in models:
-        lines.append(f"| {m} | {ddp[m]:.1f} | {fs[m] / ddp[m]:.3f} | "
-                     f"{summary[('default (1 ms)', m)]['plain'] / ddp[m]:.3f} |")
+        fs_ddp = med([r[m]["fairscale"]["ratio_to_ddp"] for r in ddp_runs])
+        lines.append(f"| {m} | {ddp[m]:.1f} | {fs_ddp:.3f} | "
+                     f"{summary[(first, m)]['plain'] / ddp[m]:.3f} |")
     lines += ["", "## End to end: hvd_scale adascale (horovodrun) against fairscale AdaScale over DDP", "",
               "| Horovod setting | model | hvd_scale adascale ms | / fairscale AdaScale |", "|---|---|---|---|"]
     for name in settings:
@@ -121,7 +135,7 @@ def main(argv=None) -> int:
             lines.append(f"| {name} | {m} | {a:.1f} | {a / fs[m]:.3f} |")
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
               f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, {platform.platform()}",
-              f"- rerun: `.venv/bin/python benchmarks/overhead.py {' '.join(sys.argv[1:])}`".rstrip()]
+              f"- rerun: `.venv/bin/python benchmarks/overhead.py {shlex.join(sys.argv[1:])}`".rstrip()]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     (RESULTS / f"{args.out}.json").write_text(json.dumps({"hvd": hvd_runs, "ddp": ddp_runs}, indent=1) + "\n")

@@ -8,7 +8,8 @@ Variants, interleaved round by round in one job so that machine noise hits all o
     adascale  hvd_scale DistributedOptimizer, policy adascale
 Models: a 1-D CNN with > 1M parameters, an MLP with > 100 small parameter tensors, a 2-D CNN
 with many parameters per FLOP, and B4's Transformer (69 tensors).
-Reported: median step time (forward + backward + step) over the measured steps, as ratios to plain.
+Reported: median step time (forward + backward + step), and each variant's ratio to plain paired
+round by round (benchmarks/timing.py).
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters.torch import DistributedOptimizer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
 
 
 def cnn() -> torch.nn.Module:
@@ -92,26 +94,25 @@ def make_variant(kind: str, model: torch.nn.Module):
 
 
 def time_interleaved(variants: dict, shape, batch: int, rank: int, steps: int, warmup: int,
-                     rounds: int) -> dict:
-    """Median step time (zero_grad, forward, backward, step) of each variant {kind: (model, opt)},
-    the variants taking turns for `rounds` rounds so that machine noise hits all of them alike.
+                     rounds: int, baseline: str = "plain") -> dict:
+    """Step times (zero_grad, forward, backward, step) of each variant {kind: (model, opt)},
+    taking turns in `rounds` rounds (benchmarks/timing.py: ratios paired round by round).
     Every rank's step ends in the same collectives, so one rank's times speak for the job."""
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, *shape, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
     loss_fn = torch.nn.CrossEntropyLoss()
-    per_round = max(1, (steps + warmup) // rounds)
-    times = {kind: [] for kind in variants}
-    for _ in range(rounds):
-        for kind, (model, opt) in variants.items():
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                loss_fn(model(x), y).backward()
-                opt.step()
-                times[kind].append(time.perf_counter() - t0)
-    return {kind: {"median_ms": 1000 * statistics.median(t[warmup:]), "steps": len(t) - warmup}
-            for kind, t in times.items()}
+
+    def step_of(model, opt):
+        def step():
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        return step
+
+    times = timing.interleave({kind: step_of(*v) for kind, v in variants.items()}, rounds,
+                              max(1, steps // rounds), warmup)
+    return timing.summarize(times, baseline)
 
 
 def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int,
@@ -126,20 +127,18 @@ def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int,
     params = sum(p.numel() for p in first.parameters())
     tensors = sum(1 for _ in first.parameters())
     out = {"model": model_name, "params": params, "tensors": tensors, "batch": batch,
-           **time_interleaved(variants, shape, batch, hvd.rank(), steps, warmup, rounds)}
-    for kind in kinds:
-        if kind != "plain" and "plain" in out:
-            out[kind]["ratio_to_plain"] = out[kind]["median_ms"] / out["plain"]["median_ms"]
+           **time_interleaved(variants, shape, batch, hvd.rank(), steps, warmup, rounds,
+                              baseline=kinds[0])}
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="cnn,mlp")
-    p.add_argument("--steps", type=int, default=60, help="measured steps per variant")
+    p.add_argument("--steps", type=int, default=180, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=10, help="interleaving rounds")
+    p.add_argument("--rounds", type=int, default=30, help="interleaving rounds")
     p.add_argument("--variants", default="plain,none,adascale")
     args = p.parse_args(argv)
     hvd.init()
