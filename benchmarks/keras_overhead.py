@@ -25,7 +25,6 @@ import pathlib
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -127,18 +126,13 @@ def job(args) -> int:
 def drive(args, argv) -> int:
     """`--repeats` horovodrun jobs of this script, one after another; the median of their
     paired ratios, written to results/keras_overhead.md and .json."""
-    root = pathlib.Path(__file__).resolve().parent.parent
     bin_dir = pathlib.Path(sys.executable).parent
     cmd = [str(bin_dir / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
            str(bin_dir / "python"), "benchmarks/keras_overhead.py", "--job",
            "--steps", str(args.steps), "--rounds", str(args.rounds), "--models", args.models]
-    env = {**os.environ, **CPU_ENV_DEFAULTS}  # what `hvd-scale run` sets for CPU jobs
     runs = []
-    for _ in range(args.repeats):
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        runs.append({r["model"]: r for r in timing.result_lines(proc.stdout)})
+    for _ in range(args.repeats):  # with what `hvd-scale run` sets for CPU jobs
+        runs.append({r["model"]: r for r in timing.result_lines(timing.run_job(cmd, CPU_ENV_DEFAULTS))})
         print({m: round(r["adascale"]["ratio_to_plain"], 3) for m, r in runs[-1].items()}, flush=True)
     lines = ["# B3: step-time overhead (Keras 3 adapter, TensorFlow backend, np 2, Gloo, 5 ms cycle, "
              "one thread per process)", "",
@@ -160,7 +154,7 @@ def drive(args, argv) -> int:
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
               f"- machine: {os.cpu_count()} CPUs, {platform.machine()}",
               f"- rerun: `.venv/bin/python benchmarks/keras_overhead.py {shlex.join(argv)}`".rstrip()]
-    results = root / "benchmarks" / "results"
+    results = timing.ROOT / "benchmarks" / "results"
     (results / "keras_overhead.md").write_text("\n".join(lines) + "\n")
     (results / "keras_overhead.json").write_text(json.dumps(runs, indent=1) + "\n")
     print("\n".join(lines))

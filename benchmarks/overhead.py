@@ -55,14 +55,6 @@ def _each(values) -> str:
     return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
 
-def run(cmd, env_extra, timeout=1200) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return proc.stdout
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -85,12 +77,13 @@ def main(argv=None) -> int:
     ddp_runs = []
     for _ in range(args.repeats):
         for name, env in settings.items():
-            out = run([str(BIN / "horovodrun"), CONTROLLER.get(name, "--gloo"), "-np", "2", "-H", "localhost:2",
-                       str(BIN / "python"), "benchmarks/torch_overhead.py"] + step_args, env)
+            out = timing.run_job([str(BIN / "horovodrun"), CONTROLLER.get(name, "--gloo"), "-np", "2",
+                                  "-H", "localhost:2", str(BIN / "python"),
+                                  "benchmarks/torch_overhead.py"] + step_args, env, timeout=1200)
             hvd_runs[name].append({r["model"]: r for r in timing.result_lines(out)})
             print(name, {m: round(r["plain"]["median_ms"], 1) for m, r in hvd_runs[name][-1].items()}, flush=True)
-        out = run([str(BIN / "python"), "benchmarks/ddp_fairscale.py"] + step_args,
-                  {"PYTHONPATH": str(FAIRSCALE)})
+        out = timing.run_job([str(BIN / "python"), "benchmarks/ddp_fairscale.py"] + step_args,
+                             {"PYTHONPATH": str(FAIRSCALE)}, timeout=1200)
         ddp_runs.append(next(timing.result_lines(out)))
         print("ddp", {m: round(r["ddp"]["median_ms"], 1) for m, r in ddp_runs[-1].items() if m != "rank"}, flush=True)
 

@@ -1,20 +1,25 @@
 """Step timing shared by the overhead benchmarks (B2, B3, the DDP anchor, the GPU script), and
-the parsing of their jobs' result lines.
+running their jobs and parsing their result lines.
 
 On a shared 2-core machine a job's speed drifts by 10-20% within a minute, so one variant's
 median against another's, each over the whole job, moves with the drift. Here the variants take
 turns in short rounds (the order reversed every other round, so none always follows the same
 one), and a variant's ratio to the baseline is the median over rounds of the per-round ratio of
-medians: both sides of each ratio are measured within a few hundred milliseconds of each other.
+medians: both sides of each ratio are measured within a second of each other.
 The interquartile range of the per-round ratios is reported with it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import statistics
+import subprocess
 import time
-from typing import Callable
+from typing import Callable, Mapping, Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def interleave(variants: dict[str, Callable[[], object]], rounds: int, per_round: int,
@@ -59,3 +64,14 @@ def result_lines(stdout: str):
     decoder = json.JSONDecoder()
     for chunk in stdout.split("RESULT ")[1:]:
         yield decoder.raw_decode(chunk)[0]
+
+
+def run_job(cmd: Sequence[str], env_extra: Mapping[str, str], timeout: float = 1800) -> str:
+    """A benchmark job from the repository root, one thread per process unless `env_extra`
+    says otherwise; its stdout, or an error with the end of its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return proc.stdout
