@@ -28,6 +28,8 @@ import tempfile
 
 import numpy as np
 
+import mnist1d_data
+
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ["<pad>", "<s>", "</s>"]
 
@@ -224,17 +226,9 @@ def decode(ids, vocab: list[str]) -> str:
 
 
 def shard_batches(src, tgt, batch_size: int, rank: int, size: int, seed: int):
-    """Endless micro-batches for one worker, trimmed to the batch's longest sentence: each epoch is
-    shuffled the same way on every rank (seeded by epoch), then dealt out so the workers' batches
-    never overlap (as mnist1d_data.shard_batches)."""
-    epoch = 0
-    while True:
-        order = np.random.default_rng([seed, epoch]).permutation(len(src))
-        per_step = batch_size * size
-        for start in range(0, len(order) - per_step + 1, per_step):
-            idx = order[start + rank * batch_size:start + (rank + 1) * batch_size]
-            s, t = src[idx], tgt[idx]
-            ls = int((s != PAD).sum(1).max())
-            lt = int((t != PAD).sum(1).max())
-            yield s[:, :ls], t[:, :lt]
-        epoch += 1
+    """Endless micro-batches for one worker, dealt out as mnist1d_data.shard_batches deals them
+    (the same shuffle on every rank, no overlap), each trimmed to its longest sentence."""
+    for s, t in mnist1d_data.shard_batches(src, tgt, batch_size, rank, size, seed):
+        ls = int((s != PAD).sum(1).max())
+        lt = int((t != PAD).sum(1).max())
+        yield s[:, :ls], t[:, :lt]
