@@ -211,6 +211,7 @@ def test_one_process_measured_steps(results):
         assert r[policy]["steps"] == 3 and r[policy]["skipped"] == 0
         assert r[policy]["progress"] == pytest.approx(3.0) and r[policy]["gain"] == 1.0
         assert r[policy]["lr"] == LR
+        assert r[policy]["max_diff_to_reference"] < 1e-12  # the same update as plain SGD
 
 
 @pytest.mark.timeout(180)

@@ -447,8 +447,16 @@ def case_one_process():
                                    named_parameters=model.named_parameters(), policy=policy,
                                    measure=True)
         steps_for_resize(model, opt, 0, 3, 1)
+        # The one-process reference: plain SGD on the same micro-batches (S = 1: factor 1).
+        ref = make_model()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+        for step in range(3):
+            ref_opt.zero_grad()
+            loss_fn(ref, *micro_batch(0, step, 0)).backward()
+            ref_opt.step()
         out[policy] = {"progress": opt.progress, "gain": opt.gain, "steps": opt.policy.steps,
-                       "skipped": opt.policy.skipped, "lr": opt.param_groups[0]["lr"]}
+                       "skipped": opt.policy.skipped, "lr": opt.param_groups[0]["lr"],
+                       "max_diff_to_reference": float((params_vector(model) - params_vector(ref)).abs().max())}
     emit("one_process", **out)
 
 
