@@ -15,7 +15,8 @@ import numpy as np
 
 from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
 from hvd_scale.metrics import LOG_DIR_ENV, MetricsLogger
-from hvd_scale.policies import Policy, agree_across_ranks, make_policy, resolve_policy
+from hvd_scale.moments import AdamStep, adam_step, moment_progress
+from hvd_scale.policies import Policy, StepInfo, agree_across_ranks, make_policy, resolve_policy
 from hvd_scale.reduce import unpack_step
 
 NONFINITE = ("skip", "raise")
@@ -93,6 +94,7 @@ class Scaling:
                       "optimizer": optimizer_name, "framework": framework})
         self._world_size = hvd.size()
         self.last_lr = math.nan
+        self.last_step: StepInfo | None = None  # what the latest accounted step applied
         self._skips_in_a_row = 0
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -162,9 +164,25 @@ class Scaling:
                 raise RuntimeError(f"hvd_scale: the step's statistics count {n} micro-gradients, "
                                    f"expected {self._world_size} workers x {self.passes}")
         self.last_lr = float(base_lr) * info.lr_factor
+        self.last_step = info
         if self.logger is not None:
             self.logger.log(self.metrics())
         return info.lr_factor
+
+    def adam_step(self, *, base_lr: float, lr_factor: float, beta1: float, beta2: float,
+                  eps: float, framework_step: int, eps_placement: str,
+                  weight_decay: float | None = None) -> AdamStep | None:
+        """The framework's Adam settings for the step just accounted (``hvd_scale.moments``):
+        None where the policy leaves Adam's moments alone (every policy but adascale_adam's
+        default). ``framework_step``: the t the framework's bias correction will use."""
+        info = self.last_step
+        if info is None or not self.policy.moments_in_progress:
+            return None
+        return adam_step(lr=base_lr * lr_factor, base_lr=base_lr, beta1=beta1, beta2=beta2,
+                         eps=eps, gain=info.gain,
+                         progress=moment_progress(info.progress, info.step, framework_step),
+                         framework_step=framework_step, eps_placement=eps_placement,
+                         weight_decay=weight_decay)
 
     def guard_due(self) -> bool:
         """The next step should measure the sharpness first (alike on every rank)."""

@@ -42,6 +42,7 @@ import torch
 
 from hvd_scale.adapters.core import Readout, Scaling
 from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
+from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
 
 STATS_NAME = "hvd_scale.stats"
@@ -285,8 +286,9 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         state = self.state.get(p)
         if not state or "exp_avg_sq" not in state:
             return grad  # first step: no second moment yet, the plain gradient
-        step = float(state["step"])
-        bias_correction2 = 1 - group["betas"][1] ** step
+        bias_correction2 = self.policy.second_moment_correction(group["betas"][1], float(state["step"]))
+        if bias_correction2 == 0.0:
+            return grad  # v holds no gradient yet
         denom = (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"])
         return torch.div(grad, denom, out=denom)  # in denom's buffer: one temporary, not two
 
@@ -451,17 +453,38 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         return not grads or bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
 
     def apply_step(self, lr_factor: float, closure=None):
-        """The inner step with every group's lr x lr_factor; the user's lrs are put back after, so
-        torch lr schedulers keep working on the baseline lr."""
-        saved = [group["lr"] for group in self.param_groups]
+        """The inner step with every group's lr x lr_factor (and, for adascale_adam, the step's
+        betas, eps and decoupled decay: ``hvd_scale.moments``); the user's values are put back
+        after, so torch lr schedulers keep working on the baseline lr."""
+        keys = ("lr", "betas", "eps", "weight_decay")
+        saved = [{k: group[k] for k in keys if k in group} for group in self.param_groups]
         try:
-            for group, lr in zip(self.param_groups, saved):
-                group["lr"] = lr * lr_factor
+            for group, user in zip(self.param_groups, saved):
+                group["lr"] = user["lr"] * lr_factor
+                adam = self._adam_step(group, user, lr_factor)
+                if adam is not None:
+                    group.update(lr=adam.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps)
+                    if adam.weight_decay is not None:
+                        group["weight_decay"] = adam.weight_decay
             with self._hvd_opt.skip_synchronize():
                 return self._hvd_opt.step(closure)
         finally:
-            for group, lr in zip(self.param_groups, saved):
-                group["lr"] = lr
+            for group, user in zip(self.param_groups, saved):
+                group.update(user)
+
+    def _adam_step(self, group: dict, user: dict, lr_factor: float):
+        """This group's Adam settings for the step (None: the policy leaves the moments alone).
+        torch corrects the bias with each parameter's own step count, the group's first here."""
+        if "betas" not in user:
+            return None
+        state = next((self.state[p] for p in group["params"] if "step" in self.state.get(p, {})),
+                     None)
+        t = 1 if state is None else int(state["step"]) + 1
+        decoupled = group.get("decoupled_weight_decay", False)
+        return self.scaling.adam_step(
+            base_lr=user["lr"], lr_factor=lr_factor, beta1=user["betas"][0],
+            beta2=user["betas"][1], eps=user["eps"], framework_step=t,
+            eps_placement=EPS_CORRECTED, weight_decay=user["weight_decay"] if decoupled else None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.

@@ -1,33 +1,39 @@
 """B4: the seed's experiment: a small Transformer trained with Adam at scale, scored by BLEU.
 
-    .venv/bin/python benchmarks/transformer_bleu.py            # full: S in 1,8,32,128, 2 seeds
-    .venv/bin/python benchmarks/transformer_bleu.py --quick    # minutes: S in 1,8, 1 seed, short budget
+    .venv/bin/python benchmarks/transformer_bleu.py --phase curve       # S = 1: BLEU against T
+    .venv/bin/python benchmarks/transformer_bleu.py --phase sweep       # S = 1: peak lr at T
+    .venv/bin/python benchmarks/transformer_bleu.py --phase converged   # policies x S x seeds at T
+    .venv/bin/python benchmarks/transformer_bleu.py --phase short       # the same at T = 1200
+    .venv/bin/python benchmarks/transformer_bleu.py --phase claim       # x5 + warm-up, T / 5 steps
     .venv/bin/python benchmarks/transformer_bleu.py --report-only
 
 Task: examples/translation_data.py (a generated English-like -> SOV language pair: word mapping,
 reordering, gender/number agreement; 40,000 training sentences, 500 held-out ones never seen in
 training), the encoder-decoder Transformer of examples/torch_translate.py (d_model 64, 2 + 2
-layers, 4 heads), Adam (0.9, 0.98), baseline batch B0 = 32 sentences, a baseline schedule written
-for S = 1 in baseline steps (linear warm-up over 10% of T, cosine decay to 0 at T) run in tau.
-BLEU: sacrebleu corpus BLEU, tokenize="none", greedy decoding of the held-out sentences.
+layers, 4 heads), Adam (0.9, 0.98) (AdamW, weight decay 0.01, as a row), baseline batch B0 = 32
+sentences, a baseline schedule written for S = 1 in baseline steps (linear warm-up over 10% of T,
+cosine decay to 0 at T) run in tau. BLEU: sacrebleu corpus BLEU, tokenize="none", greedy decoding.
 
-S = workers x accumulation: S = 1 is one plain process, every S >= 2 is a real
-`horovodrun --gloo -np 2` job with accumulation S / 2. Each run is the example script itself.
-The baseline peak lr is tuned at S = 1 only (3 values, seed 0); the other policies reuse it.
-Also run: adascale_adam at S = 32 with activation checkpointing (must match the plain run), and
-the seed's claim as stated: x5 + warm-up at S = 8 for T / 5 optimizer steps (budget 8/5 T).
+S = workers x accumulation: S = 1 is one plain process (two at a time: one per core), every
+S >= 2 a real `horovodrun --gloo -np 2` job with accumulation S / 2. Each run is the example
+script itself and is deterministic (the same BLEU on a rerun).
 
-Every run has a wall-clock limit; a crash or time-out is recorded as an error (and the benchmark
-goes on), a run that trains badly (BLEU near 0) is a result. Results are saved after every run,
-so an interrupted benchmark leaves a usable bleu.json (`--report-only` rebuilds the report).
+The converged budget T is chosen from the S = 1 curve (the first T where doubling it gains under
+1 BLEU), the baseline lr by a bracketed sweep at that T (its best value must be inside the
+bracket). Every run is stored in results/bleu_runs.json with a hash of the code that decides its
+numbers (engine, adapters, example); a run stored for the same configuration and code is not
+repeated, so an interrupted benchmark resumes, and the report marks cells run on other code.
+`--max-minutes` starts no run after that many minutes: cells not run show as such.
 
-Writes benchmarks/results/bleu.json, bleu.md, bleu_vs_scale.png and bleu_adascale.png.
+Writes benchmarks/results/bleu_runs.json, bleu.md, bleu_vs_scale.png and bleu_adascale.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -41,22 +47,75 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+STORE = RESULTS / "bleu_runs.json"
 BIN = pathlib.Path(sys.executable).parent
 LOG_DIR = RESULTS / "bleu_logs"
-POLICIES = ["none", "warmup:rule=sqrt", "warmup:rule=linear", "warmup:rule=fixed,factor=5", "adascale_adam"]
+ADASCALE = "adascale_adam"
+ADAPTDL = "adascale_adam:moments=steps"
+POLICIES = ["none", "warmup:rule=sqrt", "warmup:rule=linear", "warmup:rule=fixed,factor=5", ADAPTDL,
+            ADASCALE]
 LABELS = {"none": "none", "warmup:rule=sqrt": "sqrt + warm-up", "warmup:rule=linear": "linear + warm-up",
-          "warmup:rule=fixed,factor=5": "x5 + warm-up (seed)", "adascale_adam": "adascale_adam"}
+          "warmup:rule=fixed,factor=5": "x5 + warm-up (seed)",
+          ADAPTDL: "adascale_adam, betas fixed (AdaptDL's AdamScale)",
+          ADASCALE: "**adascale_adam** (horizons in progress)"}
+# The files whose contents decide a run's numbers (the torch path: no Keras module is imported).
+CODE = ["hvd_scale", "adapters/__init__.py", "adapters/core.py", "adapters/protocol.py",
+        "adapters/torch.py", "examples/torch_translate.py", "examples/translation_data.py"]
+# Where the runs import them from: a copy laid out as installed (adapters/ inside hvd_scale/), made
+# when the benchmark starts, so that edits to the tree during a long benchmark reach no run.
+SNAPSHOT: pathlib.Path | None = None
+CODE_HASH = ""
+SHORT_BUDGET = 1200  # the first B4's budget: S = 1 still gains ~15 BLEU by doubling it
+CURVE = (600, 1200, 2400, 4800)
+SEEDS = 3
+
+
+def code_hash(source: pathlib.Path = ROOT) -> str:
+    h = hashlib.sha256()
+    for entry in CODE:
+        path = source / entry
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(str(f.relative_to(source)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def snapshot(source: pathlib.Path) -> tuple[pathlib.Path, str]:
+    """Copy the code of ``source`` (a checkout) to a temporary directory as it installs; returns
+    the directory (for PYTHONPATH, and its examples/) and the code's hash."""
+    import tempfile
+
+    out = pathlib.Path(tempfile.mkdtemp(prefix="b4code-"))
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(source / "hvd_scale", out / "hvd_scale", ignore=ignore)
+    for sub in ("adapters", "launch"):
+        shutil.copytree(source / sub, out / "hvd_scale" / sub, ignore=ignore)
+    shutil.copytree(source / "examples", out / "examples", ignore=ignore)
+    return out, code_hash(source)
+
+
+def key(row: dict) -> tuple:
+    return (row["policy"], row["S"], row["seed"], row["lr"], row["budget"], row["optimizer"],
+            row.get("checkpointing", False))
+
+
+def load_store() -> list[dict]:
+    return json.loads(STORE.read_text())["runs"] if STORE.exists() else []
+
+
+def save_store(runs: list[dict]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    STORE.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
 
 
 def run_translate(*, scale: int, policy: str, seed: int, lr: float, budget: int,
-                  checkpointing: bool = False, log_dir: pathlib.Path | None = None,
-                  timeout: float = 900) -> dict:
+                  optimizer: str = "adam", checkpointing: bool = False,
+                  log_dir: pathlib.Path | None = None, timeout: float = 3600) -> dict:
     """One run of examples/torch_translate.py; rank 0's RESULT, or a row with an 'error'."""
     workers = 1 if scale == 1 else 2
-    accumulate = scale // workers
-    args = [str(BIN / "python"), str(ROOT / "examples" / "torch_translate.py"), "--policy", policy,
-            "--seed", str(seed), "--lr", str(lr), "--budget", str(budget),
-            "--accumulate", str(accumulate), "--batch-size", "32", "--log-every", "0"]
+    code = SNAPSHOT or ROOT
+    args = [str(BIN / "python"), str(code / "examples" / "torch_translate.py"), "--policy", policy,
+            "--seed", str(seed), "--lr", str(lr), "--budget", str(budget), "--optimizer", optimizer,
+            "--accumulate", str(scale // workers), "--batch-size", "32", "--log-every", "0"]
     if checkpointing:
         args.append("--checkpointing")
     cmd = args if workers == 1 else \
@@ -64,12 +123,15 @@ def run_translate(*, scale: int, policy: str, seed: int, lr: float, budget: int,
     # HOROVOD_CYCLE_TIME=5: as `hvd-scale run` sets for CPU jobs (the 1 ms default costs wall-clock
     # on 2 shared cores; it changes no result).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HOROVOD_CYCLE_TIME="5")
+    if SNAPSHOT is not None:
+        env["PYTHONPATH"] = str(SNAPSHOT)
     env.pop("HVD_SCALE_LOG_DIR", None)
     if log_dir is not None:
         shutil.rmtree(log_dir, ignore_errors=True)
         env["HVD_SCALE_LOG_DIR"] = str(log_dir)
     row = {"policy": policy, "S": scale, "seed": seed, "lr": lr, "budget": budget,
-           "checkpointing": checkpointing}
+           "optimizer": optimizer, "checkpointing": checkpointing, "code": CODE_HASH,
+           "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"}
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
@@ -81,123 +143,201 @@ def run_translate(*, scale: int, policy: str, seed: int, lr: float, budget: int,
         if "RESULT " in line:
             result = json.loads(line.split("RESULT ", 1)[1])
             if result["rank"] == 0:
-                result.pop("policy", None)
+                for k in ("policy", "optimizer", "seed"):
+                    result.pop(k, None)
                 return {**row, **result, "wall": wall}
     return {**row, "error": f"exit {proc.returncode}, no RESULT from rank 0: "
             f"{(proc.stdout[-800:] + proc.stderr[-800:]).strip()}", "wall": wall}
 
 
-def _ok(r):
+def ok(r):
     return "error" not in r and r.get("bleu") is not None
 
 
-def summarize(rows: list[dict], scales: list[int], lr: float) -> dict:
-    plain = [r for r in rows if _ok(r) and not r["checkpointing"] and r["lr"] == lr]
-    base = [r for r in plain if r["S"] == 1]
+class Runner:
+    """Runs what the store lacks (at this code), S = 1 runs two at a time, and keeps the store."""
+
+    def __init__(self, args):
+        self.args, self.runs, self.code = args, load_store(), CODE_HASH
+        start = time.perf_counter()
+        self.deadline = start + 60 * args.max_minutes if args.max_minutes else math.inf
+
+    def find(self, s: dict) -> dict | None:
+        """The stored run of this spec: at this code if there is one, else the latest."""
+        matches = [r for r in self.runs if key(r) == key({**s, "S": s["scale"]})]
+        current = [r for r in matches if r.get("code") == self.code]
+        return (current or matches or [None])[-1]
+
+    def ensure(self, specs: list[dict]) -> None:
+        todo = [s for s in specs if (self.find(s) or {}).get("code") != self.code]
+        singles = [s for s in todo if s["scale"] == 1]
+        for i in range(0, len(singles), 2):
+            self._run_batch(singles[i:i + 2])
+        for s in todo:
+            if s["scale"] > 1:
+                self._run_batch([s])
+
+    def _run_batch(self, specs: list[dict]) -> None:
+        if time.perf_counter() > self.deadline:
+            for s in specs:
+                log(f"not run (--max-minutes): {describe_spec(s)}")
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+            rows = list(pool.map(lambda s: run_translate(**s, timeout=self.args.timeout), specs))
+        for s, r in zip(specs, rows):
+            self.runs = [x for x in self.runs if not (key(x) == key(r) and x.get("code") == r["code"])]
+            self.runs.append(r)
+            log(f"{describe_spec(s)}: {describe(r)}")
+        save_store(self.runs)
+
+
+def spec(policy, S, seed, lr, budget, optimizer="adam", **kw) -> dict:
+    return {"policy": policy, "scale": S, "seed": seed, "lr": lr, "budget": budget,
+            "optimizer": optimizer, **kw}
+
+
+def describe_spec(s):
+    return (f"S {s['scale']:3d} {s['policy']:27s} seed {s['seed']} lr {s['lr']:g} T {s['budget']} "
+            f"{s['optimizer']}{' ckpt' if s.get('checkpointing') else ''}")
+
+
+def describe(r):
+    if "error" in r:
+        return f"ERROR {r['error'][:200]}"
+    return (f"BLEU {r['bleu']:5.1f} steps {r['steps']} tau {r['progress']:.0f} gain {r['mean_gain']:.2f} "
+            f"{r['seconds']:.0f} s (wall {r['wall']:.0f} s)")
+
+
+def log(msg):
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+# -- the phases ----------------------------------------------------------------------------------
+
+def chosen_budget(runs, lr) -> int | None:
+    """The first T of the S = 1 curve (seed 0) where doubling it gains under 1 BLEU."""
+    bleu = {r["budget"]: r["bleu"] for r in runs if ok(r) and r["S"] == 1 and r["seed"] == 0
+            and r["lr"] == lr and r["optimizer"] == "adam"}
+    for t in CURVE:
+        if t in bleu and 2 * t in bleu and bleu[2 * t] - bleu[t] < 1.0:
+            return t
+    return None
+
+
+def phase_specs(args, phase: str) -> list[dict]:
+    scales = [int(s) for s in args.scales.split(",")]
+    policies = args.policies.split(";") if args.policies else POLICIES
+    seeds = range(args.seeds)
+    if phase == "curve":
+        return [spec("none", 1, 0, args.curve_lr, t) for t in CURVE]
+    if phase == "sweep":
+        return [spec("none", 1, 0, float(lr), args.budget) for lr in args.sweep.split(",")]
+    budget = SHORT_BUDGET if phase == "short" else args.budget
+    if phase == "claim":
+        return [spec("warmup:rule=fixed,factor=5", 8, seed, args.lr, budget * 8 // 5) for seed in seeds]
+    out = [spec("none", 1, seed, args.lr, budget) for seed in seeds]
+    for s in (s for s in scales if s > 1):
+        for policy in policies:
+            for seed in (seeds if policy in args.all_seeds.split(";") else range(1)):
+                out.append(spec(policy, s, seed, args.lr, budget))
+    if phase == "converged" and args.adamw:
+        out += [spec(p, s, 0, args.lr, budget, optimizer="adamw")
+                for s in [1] + [s for s in scales if s > 1] for p in (["none"] if s == 1 else [ADASCALE])]
+    return out
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+def cell_rows(runs, *, policy, S, lr, budget, optimizer="adam"):
+    return [r for r in runs if ok(r) and r["S"] == S and r["lr"] == lr and r["budget"] == budget
+            and r["optimizer"] == optimizer and not r.get("checkpointing")
+            and (S == 1 or r["policy"] == policy)]
+
+
+def fmt_cell(rows, base_steps, code, seeds, gain=False) -> str:
+    if not rows:
+        return "not run"
+    bleus = [r["bleu"] for r in rows]
+    std = statistics.stdev(bleus) if len(bleus) > 1 else 0.0
+    steps = statistics.mean(r["steps"] for r in rows)
+    text = (f"{statistics.mean(bleus):.1f} ± {std:.1f}<br>{steps:.0f} steps (x{base_steps / steps:.1f})"
+            + (f", gain {statistics.mean(r['mean_gain'] for r in rows):.2f}" if gain else ""))
+    if len(rows) < seeds:
+        text += f" ({len(rows)} of {seeds} seeds)"
+    if any(r.get("code") != code for r in rows):
+        text += " (older code)"
+    return text
+
+
+def table(runs, title, *, lr, budget, scales, seeds, code, optimizer="adam", policies=POLICIES):
+    base = cell_rows(runs, policy="none", S=1, lr=lr, budget=budget, optimizer=optimizer)
     base_steps = statistics.mean(r["steps"] for r in base) if base else math.nan
-    table = {}
-    for policy in POLICIES:
-        for s in scales:
-            # S = 1 is one run for every policy: every factor is 1 there.
-            cell = [r for r in plain if r["S"] == s and (s == 1 or r["policy"] == policy)]
-            failed = [r for r in rows if "error" in r and r["S"] == s and r["policy"] == policy]
-            if not cell and not failed:
-                continue
-            bleus = [r["bleu"] for r in cell]
-            table[(policy, s)] = {
-                "bleu_mean": statistics.mean(bleus) if bleus else math.nan,
-                "bleu_std": statistics.stdev(bleus) if len(bleus) > 1 else 0.0,
-                "steps": statistics.mean(r["steps"] for r in cell) if cell else math.nan,
-                "speedup": base_steps / statistics.mean(r["steps"] for r in cell) if cell else math.nan,
-                "seconds": statistics.mean(r["seconds"] for r in cell) if cell else math.nan,
-                "wall": statistics.mean(r["wall"] for r in cell) if cell else math.nan,
-                "gain": statistics.mean(r["mean_gain"] for r in cell) if cell else math.nan,
-                "runs": len(cell), "errors": len(failed)}
-    return table
+    lines = [title, "", "| policy | " + " | ".join(f"S = {s}" for s in scales) + " |",
+             "|---|" + "---|" * len(scales)]
+    for policy in policies:
+        cells = [fmt_cell(cell_rows(runs, policy=policy, S=s, lr=lr, budget=budget, optimizer=optimizer),
+                          base_steps, code, seeds, gain=policy.startswith(ADASCALE))
+                 for s in scales]
+        lines.append(f"| {LABELS.get(policy, policy)} | " + " | ".join(cells) + " |")
+    return lines
 
 
-def write_report(args, rows, sweep, table, scales, seconds):
+def write_report(args, runs, code, seconds=None):
+    scales = [int(s) for s in args.scales.split(",")]
+    s1 = sorted((r for r in runs if ok(r) and r["S"] == 1 and r["seed"] == 0 and r["optimizer"] == "adam"),
+                key=lambda r: (r["lr"], r["budget"]))
     lines = ["# B4: the seed's experiment: a small Transformer with Adam at scale (BLEU)", "",
-             f"Generated translation task (examples/translation_data.py: 40,000 training sentences, "
-             f"500 held-out), encoder-decoder Transformer d_model 64, 2 + 2 layers, 4 heads "
-             f"(examples/torch_translate.py), Adam (0.9, 0.98), B0 = 32 sentences, budget T = "
-             f"{args.budget} baseline steps, warm-up over 10% of T then cosine decay to 0, run in "
-             f"tau; seeds {args.seeds}; S = workers x accumulation (S >= 2: horovodrun -np 2, Gloo). "
-             "BLEU: sacrebleu corpus BLEU, tokenize='none' (the target words are already split), "
-             "greedy decoding of the held-out sentences.", "",
-             "## Baseline peak lr sweep at S = 1 (seed 0)", "", "| lr | BLEU | steps | seconds |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['lr']:g} | " + (f"{r['bleu']:.1f} | {r['steps']} | {r['seconds']:.0f} |" if _ok(r)
-                                     else f"error: {r['error'][:80]} | | |") for r in sweep]
-    lines += ["", f"Chosen baseline lr: **{args.lr:g}**", "",
-              "## BLEU (mean ± std over seeds), optimizer steps (speed-up in steps vs S = 1), "
-              "training seconds per run (mean gain for adascale_adam)", "",
-              "S = 1 is the same run for every policy (the factor is 1 at S = 1). Seconds: the "
-              "training loop of rank 0, 2 processes sharing 2 cores for S >= 2 (1 process for S = 1), "
-              "on a machine shared with other jobs: compare them within a column only.", "",
-              "| policy | " + " | ".join(f"S = {s}" for s in scales) + " |",
-              "|---|" + "---|" * len(scales)]
-    for policy in POLICIES:
-        cells = []
-        for s in scales:
-            c = table.get((policy, s))
-            if c is None:
-                cells.append("not run")
-                continue
-            if not c["runs"]:
-                cells.append(f"error ({c['errors']} runs)")
-                continue
-            cell = (f"{c['bleu_mean']:.1f} ± {c['bleu_std']:.1f}<br>{c['steps']:.0f} steps (x{c['speedup']:.1f}), "
-                    f"{c['seconds']:.0f} s" + (f", gain {c['gain']:.2f}" if policy == "adascale_adam" else ""))
-            if c["runs"] < args.seeds:
-                cell += f" ({c['runs']} of {args.seeds} seeds)"
-            if c["errors"]:
-                cell += f" + {c['errors']} error(s)"
-            cells.append(cell)
-        lines.append(f"| {LABELS[policy]} | " + " | ".join(cells) + " |")
-    ck = [r for r in rows if r["checkpointing"]]
-    if ck:
-        lines += ["", "## Activation checkpointing (every encoder/decoder layer recomputed in backward)", "",
-                  "| S | policy | seed | checkpointing | BLEU | steps | tau | mean gain | seconds | params checksum |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in ck:
-            twins = [p for p in rows if not p["checkpointing"] and p["S"] == r["S"] and p["seed"] == r["seed"]
-                     and p["policy"] == r["policy"] and p["lr"] == r["lr"]]
-            for x in twins[:1] + [r]:
-                if _ok(x):
-                    lines.append(f"| {x['S']} | {x['policy']} | {x['seed']} | {'yes' if x['checkpointing'] else 'no'} | "
-                                 f"{x['bleu']:.2f} | {x['steps']} | {x['progress']:.1f} | {x['mean_gain']:.3f} | "
-                                 f"{x['seconds']:.0f} | {x['params_checksum']:.4f} |")
-                else:
-                    lines.append(f"| {x['S']} | {x['policy']} | {x['seed']} | {'yes' if x['checkpointing'] else 'no'} | "
-                                 f"error: {x['error'][:80]} | | | | | |")
-    claim = getattr(args, "claim_rows", None) or []
+             "Generated translation task (examples/translation_data.py: 40,000 training sentences, 500 "
+             "held-out), encoder-decoder Transformer d_model 64, 2 + 2 layers, 4 heads "
+             "(examples/torch_translate.py), Adam (0.9, 0.98, eps 1e-9), B0 = 32 sentences, warm-up over "
+             "10% of T then cosine decay to 0, run in tau. S = workers x accumulation (S >= 2: "
+             "horovodrun -np 2, Gloo). BLEU: sacrebleu corpus BLEU, tokenize='none', greedy decoding "
+             "of the held-out sentences. Each cell: BLEU mean ± std over seeds, optimizer steps "
+             "(speed-up in steps against S = 1), mean gain for adascale_adam. S = 1 is one run for "
+             "every policy (every factor is 1 there).", "",
+             "## S = 1: BLEU against the budget T, and the lr sweep (seed 0)", "",
+             "| lr | T | BLEU | steps | seconds |", "|---|---|---|---|---|"]
+    lines += [f"| {r['lr']:g} | {r['budget']} | {r['bleu']:.1f} | {r['steps']} | {r['seconds']:.0f} |"
+              for r in s1]
+    t = chosen_budget(runs, args.curve_lr)
+    lines += ["", f"Converged budget: **T = {args.budget}** (the first T of the curve where doubling it "
+              f"gains under 1 BLEU: {t if t else 'not measured yet'}); baseline peak lr **{args.lr:g}** "
+              f"(bracket {args.sweep}).", ""]
+    lines += table(runs, f"## Converged baseline: T = {args.budget}", lr=args.lr, budget=args.budget,
+                   scales=scales, seeds=args.seeds, code=code)
+    adamw = table(runs, "", lr=args.lr, budget=args.budget, scales=scales, seeds=args.seeds, code=code,
+                  optimizer="adamw", policies=[ADASCALE])
+    lines += [adamw[-1].replace("| **adascale_adam** (horizons in progress)",
+                                "| AdamW (wd 0.01): adascale_adam (horizons in progress)")]
+    lines += [""] + table(runs, f"## Short-budget regime: T = {SHORT_BUDGET} (S = 1 is not converged: "
+                          "doubling T still gains ~15 BLEU)", lr=args.lr, budget=SHORT_BUDGET,
+                          scales=scales, seeds=args.seeds, code=code)
+    claim = [r for r in runs if ok(r) and r["policy"] == "warmup:rule=fixed,factor=5" and r["S"] == 8
+             and r["budget"] == args.budget * 8 // 5 and r["lr"] == args.lr]
     if claim:
-        base = [r for r in rows if _ok(r) and r["S"] == 1 and not r["checkpointing"] and r["lr"] == args.lr]
-        base_bleu = statistics.mean(r["bleu"] for r in base) if base else math.nan
-        base_steps = statistics.mean(r["steps"] for r in base) if base else math.nan
         lines += ["", "## The seed's claim as stated: x5 + warm-up at S = 8 for T / 5 steps", "",
-                  f"Budget {claim[0]['budget']} baseline steps (= 8/5 T), so the S = 8 run takes T / 5 "
-                  f"optimizer steps: 5x fewer than S = 1 (the schedule, in tau, stretched to the longer "
-                  f"budget). S = 1 reference: BLEU {base_bleu:.1f} in {base_steps:.0f} steps.", "",
-                  "| policy | S | seed | budget | BLEU | steps | steps vs S = 1 | seconds |", "|---|---|---|---|---|---|---|---|"]
-        for r in claim:
-            lines.append(f"| {r['policy']} | {r['S']} | {r['seed']} | {r['budget']} | " +
-                         (f"{r['bleu']:.1f} | {r['steps']} | /{base_steps / r['steps']:.1f} | {r['seconds']:.0f} |"
-                          if _ok(r) else f"error: {r['error'][:80]} | | | |"))
-    errors = [r for r in rows + sweep + claim if "error" in r]
+                  "| seed | budget | BLEU | steps |", "|---|---|---|---|"]
+        lines += [f"| {r['seed']} | {r['budget']} | {r['bleu']:.1f} | {r['steps']} |" for r in claim]
+    errors = [r for r in runs if "error" in r]
     if errors:
-        lines += ["", "## Errors", ""] + [f"- S = {r['S']} {r['policy']} seed {r['seed']}: {r['error'][:300]}"
-                                          for r in errors]
-    lines += ["", "![BLEU vs S](bleu_vs_scale.png)", "", "![adascale_adam gain and lr vs tau](bleu_adascale.png)",
-              "", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-              + (f"; {seconds / 60:.0f} minutes" if seconds else ""),
-              f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, {platform.platform()}",
-              f"- rerun: `.venv/bin/python benchmarks/transformer_bleu.py {' '.join(args.argv)}`".rstrip()]
+        lines += ["", "## Errors", ""] + [f"- S = {r['S']} {r['policy']} seed {r['seed']} T {r['budget']}: "
+                                          f"{r['error'][:300]}" for r in errors]
+    codes = sorted({r.get("code") for r in runs if ok(r)} - {code})
+    lines += ["", "![BLEU vs S](bleu_vs_scale.png)", "",
+              "![adascale_adam gain and lr vs tau](bleu_adascale.png)", "",
+              f"- code: {code} (hash of {', '.join(CODE)})"
+              + (f"; cells marked '(older code)' ran at {', '.join(codes)}" if codes else ""),
+              f"- runs: {len(runs)} stored in bleu_runs.json, dated {min((r['date'] for r in runs), default='-')}"
+              f" to {max((r['date'] for r in runs), default='-')} UTC",
+              f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+              f"{platform.platform()}",
+              f"- rerun: `.venv/bin/python benchmarks/transformer_bleu.py --phase PHASE` for each of curve, "
+              f"sweep, converged, short, claim (the defaults are this report's settings)"]
     (RESULTS / "bleu.md").write_text("\n".join(lines) + "\n")
+    plot(runs, args, scales)
 
 
-def plot(table, scales):
+def plot(runs, args, scales):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,150 +347,64 @@ def plot(table, scales):
 
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
     for policy in POLICIES:
-        pts = [(s, table[(policy, s)]) for s in scales if (policy, s) in table and table[(policy, s)]["runs"]]
-        ax.errorbar([s for s, _ in pts], [c["bleu_mean"] for _, c in pts],
-                    yerr=[c["bleu_std"] for _, c in pts], marker="o", capsize=3, label=LABELS[policy])
+        pts = [(s, [r["bleu"] for r in cell_rows(runs, policy=policy, S=s, lr=args.lr, budget=args.budget)])
+               for s in scales]
+        pts = [(s, b) for s, b in pts if b]
+        ax.errorbar([s for s, _ in pts], [statistics.mean(b) for _, b in pts],
+                    yerr=[statistics.stdev(b) if len(b) > 1 else 0 for _, b in pts], marker="o",
+                    capsize=3, label=LABELS[policy].replace("*", ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("scale S")
-    ax.set_ylabel("held-out BLEU")
+    ax.set_ylabel(f"held-out BLEU (T = {args.budget})")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.savefig(RESULTS / "bleu_vs_scale.png", dpi=70)
     plt.close(fig)
-
-    runs = sorted((d for d in LOG_DIR.iterdir() if (d / "metrics.csv").exists()),
-                  key=lambda d: int(d.name.rsplit("S", 1)[-1])) if LOG_DIR.exists() else []
-    plot_gain_and_lr(runs, RESULTS / "bleu_adascale.png")
-
-
-def save(args, sweep, rows, seconds):
-    saved_args = {k: v for k, v in vars(args).items()
-                  if k not in ("report_only", "claim_only", "claim_rows")}
-    (RESULTS / "bleu.json").write_text(json.dumps({"args": saved_args, "sweep": sweep, "runs": rows,
-                                                   "claim": getattr(args, "claim_rows", None) or [],
-                                                   "seconds": seconds}, indent=1) + "\n")
-
-
-def run_claim(args, log, describe, deadline=math.inf):
-    """The seed's claim as stated: x5 + warm-up at S = 8 in T / 5 optimizer steps (budget 8/5 T)."""
-    args.claim_rows = []
-    for seed in range(args.seeds):
-        if time.perf_counter() > deadline:
-            log(f"claim seed {seed}: not run (--max-minutes)")
-            continue
-        r = run_translate(scale=8, policy="warmup:rule=fixed,factor=5", seed=seed, lr=args.lr,
-                          budget=args.budget * 8 // 5, timeout=args.timeout)
-        args.claim_rows.append(r)
-        log(f"claim S 8 x5 + warm-up, budget {args.budget * 8 // 5}, seed {seed}: {describe(r)}")
-
-
-def report(args, sweep, rows, seconds):
-    scales = [int(s) for s in args.scales.split(",")]
-    table = summarize(rows, scales, args.lr)
-    write_report(args, rows, sweep, table, scales, seconds)
-    plot(table, scales)
-    return table
+    logged = sorted((d for d in LOG_DIR.iterdir() if (d / "metrics.csv").exists()),
+                    key=lambda d: d.name) if LOG_DIR.exists() else []
+    plot_gain_and_lr(logged, RESULTS / "bleu_adascale.png")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="S in 1, 8; one seed; budget 600; lr sweep of 2 (~7 min)")
-    p.add_argument("--budget", type=int, default=1200, help="T, baseline steps")
-    p.add_argument("--lr", type=float, default=None, help="skip the sweep and use this baseline peak lr")
-    p.add_argument("--sweep", default="0.002,0.004,0.008")
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--phase", choices=["curve", "sweep", "converged", "short", "claim"], action="append",
+                   default=[], help="what to run (repeatable); none: only the report")
+    p.add_argument("--budget", type=int, default=2400, help="T of the converged table (from the curve)")
+    p.add_argument("--lr", type=float, default=0.008, help="the baseline peak lr (from the sweep)")
+    p.add_argument("--curve-lr", type=float, default=0.008, help="the lr of the S = 1 curve")
+    p.add_argument("--sweep", default="0.004,0.008,0.016", help="the lr bracket at T")
+    p.add_argument("--seeds", type=int, default=SEEDS)
+    p.add_argument("--all-seeds", default=";".join(POLICIES),
+                   help="';'-separated policies run with every seed (the others: seed 0 only)")
+    p.add_argument("--policies", default="", help="';'-separated subset of the policies at S > 1")
     p.add_argument("--scales", default="1,8,32,128")
-    p.add_argument("--checkpointing-scale", type=int, default=32,
-                   help="S of the activation-checkpointing variant (adascale_adam, seed 0; 0: none)")
-    p.add_argument("--timeout", type=float, default=900, help="wall-clock limit of one run, seconds")
+    p.add_argument("--no-adamw", dest="adamw", action="store_false", help="skip the AdamW row")
+    p.add_argument("--log-scales", default="8,32,128",
+                   help="adascale_adam runs (seed 0, converged) that keep a metrics log for the plot")
+    p.add_argument("--timeout", type=float, default=3600, help="wall-clock limit of one run, seconds")
     p.add_argument("--max-minutes", type=float, default=0,
-                   help="start no run after this many minutes (0: no limit); the rest is 'not run'")
-    p.add_argument("--no-claim", action="store_true",
-                   help="skip the seed's claim as stated (x5 + warm-up at S = 8 for T / 5 steps)")
-    p.add_argument("--claim-only", action="store_true",
-                   help="run only the seed's-claim runs and add them to an existing bleu.json")
-    p.add_argument("--report-only", action="store_true",
-                   help="rewrite bleu.md and the plots from bleu.json, running nothing")
+                   help="start no run after this many minutes (0: no limit)")
+    p.add_argument("--report-only", action="store_true", help="only rewrite bleu.md and the plots")
+    p.add_argument("--code", type=pathlib.Path, default=ROOT,
+                   help="the checkout whose code the runs use (default: this one), copied at start")
     args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    def log(msg):
-        print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
-
-    def describe(r):
-        if "error" in r:
-            return f"ERROR {r['error'][:200]}"
-        return (f"BLEU {r['bleu']:5.1f} steps {r['steps']} tau {r['progress']:.0f} gain {r['mean_gain']:.2f} "
-                f"{r['seconds']:.0f} s (wall {r['wall']:.0f} s)")
-
-    if args.report_only or args.claim_only:
-        saved = json.loads((RESULTS / "bleu.json").read_text())
-        claim_only = args.claim_only
-        for key, value in saved["args"].items():  # argv too: the report's rerun line is the run's
-            setattr(args, key, value)
-        args.claim_rows = saved.get("claim", [])
-        seconds = saved.get("seconds", 0)
-        if claim_only:
-            start = time.perf_counter()
-            run_claim(args, log, describe)
-            seconds += time.perf_counter() - start
-            save(args, saved["sweep"], saved["runs"], seconds)
-        report(args, saved["sweep"], saved["runs"], seconds)
-        print((RESULTS / "bleu.md").read_text())
-        return 0
-    if args.quick:
-        args.budget, args.seeds, args.scales = 600, 1, "1,8"
-        args.sweep = "0.002,0.004"
-        args.checkpointing_scale = 8
-    scales = [int(s) for s in args.scales.split(",")]
+    global SNAPSHOT, CODE_HASH
+    if args.report_only:
+        CODE_HASH = code_hash(args.code)
+    else:
+        SNAPSHOT, CODE_HASH = snapshot(args.code)
+    runner = Runner(args)
     start = time.perf_counter()
-    deadline = start + 60 * args.max_minutes if args.max_minutes else math.inf
-
-    sweep, rows = [], []
-    if args.lr is None:
-        for lr in (float(x) for x in args.sweep.split(",")):
-            sweep.append(run_translate(scale=1, policy="none", seed=0, lr=lr, budget=args.budget,
-                                       timeout=args.timeout))
-            log(f"sweep lr {lr:g}: {describe(sweep[-1])}")
-        ok = [r for r in sweep if _ok(r)]
-        if not ok:
-            raise SystemExit("every run of the lr sweep failed")
-        best = max(ok, key=lambda r: r["bleu"])
-        args.lr = best["lr"]
-        rows.append(best)  # the seed-0 S = 1 run
-        log(f"chosen lr {args.lr:g}")
-    shutil.rmtree(LOG_DIR, ignore_errors=True)
-    save(args, sweep, rows, time.perf_counter() - start)
-
-    plan = []
-    for s in scales:
-        for seed in range(args.seeds):
-            for policy in (["none"] if s == 1 else POLICIES):
-                if s == 1 and seed == 0 and rows:
-                    continue  # from the sweep
-                plan.append((s, policy, seed, False))
-        if s == args.checkpointing_scale:
-            plan.append((s, "adascale_adam", 0, True))
-    claim_at = max([s for s in scales if s <= 32] or [0])
-    for s, policy, seed, ck in plan:
-        if s > claim_at and not args.no_claim and not args.quick and getattr(args, "claim_rows", None) is None:
-            run_claim(args, log, describe, deadline)
-            save(args, sweep, rows, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
-            log(f"S {s} {policy} seed {seed}{' checkpointing' if ck else ''}: not run (--max-minutes)")
-            continue
-        logged = LOG_DIR / f"adascale_adam-S{s}" if policy == "adascale_adam" and seed == 0 and not ck else None
-        r = run_translate(scale=s, policy=policy, seed=seed, lr=args.lr, budget=args.budget,
-                          checkpointing=ck, log_dir=logged, timeout=args.timeout)
-        rows.append(r)
-        save(args, sweep, rows, time.perf_counter() - start)
-        log(f"S {s:3d} {policy:27s} seed {seed}{' ckpt' if ck else ''}: {describe(r)}")
-
-    if not args.no_claim and not args.quick and getattr(args, "claim_rows", None) is None:
-        run_claim(args, log, describe, deadline)
-    seconds = time.perf_counter() - start
-    save(args, sweep, rows, seconds)
-    report(args, sweep, rows, seconds)
+    if not args.report_only:
+        logged = {int(s) for s in args.log_scales.split(",") if s}
+        for phase in args.phase:
+            specs = phase_specs(args, phase)
+            for s in specs:
+                if phase == "converged" and s["policy"] == ADASCALE and s["seed"] == 0 \
+                        and s["scale"] in logged and s["optimizer"] == "adam":
+                    s["log_dir"] = LOG_DIR / f"adascale_adam-S{s['scale']:03d}"
+            runner.ensure(specs)
+    write_report(args, runner.runs, runner.code, time.perf_counter() - start)
     print((RESULTS / "bleu.md").read_text())
     return 0
 

@@ -47,6 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=3000, help="baseline (S = 1) steps to train for")
     p.add_argument("--lr", type=float, default=0.05, help="baseline learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum-horizon", action="store_true",
+                   help="experiment (#21): before each step set momentum to momentum^r and the lr x "
+                        "(1 - momentum^r) / (1 - momentum), r the previous step's gain, so the "
+                        "momentum's horizon stays fixed in baseline steps and its steady-state step "
+                        "is unchanged (not adopted: see benchmarks/README.md, B1)")
     p.add_argument("--samples", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50, help="print every N optimizer steps (0: never)")
@@ -95,6 +100,10 @@ def main(argv=None) -> dict:
         while not opt.done():
             for group in opt.param_groups:
                 group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
+                if args.momentum_horizon:
+                    mu = args.momentum ** opt.gain
+                    group["momentum"] = mu
+                    group["lr"] *= (1 - mu) / (1 - args.momentum)
             opt.zero_grad()
             for _ in range(args.accumulate):
                 x, y = next(batches)

@@ -134,6 +134,9 @@ def parse_args(argv=None):
     p.add_argument("--accumulate", type=int, default=1, help="backward passes per step")
     p.add_argument("--budget", type=float, default=1500, help="baseline (S = 1) steps to train for")
     p.add_argument("--lr", type=float, default=2e-3, help="baseline peak learning rate (Adam)")
+    p.add_argument("--optimizer", choices=["adam", "adamw"], default="adam",
+                   help="Adam, or AdamW with decoupled --weight-decay")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's decoupled decay")
     p.add_argument("--warmup", type=float, default=0.1, help="baseline warm-up, fraction of the budget")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers (each)")
@@ -164,8 +167,12 @@ def main(argv=None) -> dict:
                        checkpointing=args.checkpointing)
     baseline = args.baseline_batch or args.batch_size
     scale = hvd.size() * args.accumulate * args.batch_size / baseline
+    inner = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9) \
+        if args.optimizer == "adam" else \
+        torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9,
+                          weight_decay=args.weight_decay)
     opt = DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9),
+        inner,
         named_parameters=model.named_parameters(), policy=args.policy,
         backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget)
     broadcast_state(model, opt)
@@ -203,7 +210,7 @@ def main(argv=None) -> dict:
         sample = {"hyp": hyps[0], "ref": data["refs"][0]}
     summary = {
         "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
-        "accumulate": args.accumulate, "steps": opt.policy.steps, "progress": opt.progress,
+        "accumulate": args.accumulate, "optimizer": args.optimizer, "steps": opt.policy.steps, "progress": opt.progress,
         "skipped": opt.policy.skipped, "bleu": score,
         "final_loss": float(np.mean(losses[-20:])) if losses else None,
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed,

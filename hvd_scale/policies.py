@@ -17,6 +17,7 @@ Every policy turns the step count and (for AdaScale) the step's gradient statist
 | legw          | sqrt(S) min(1, tau / (S W))            | S               |
 | adascale      | r = (sigma2 + mu2) / (sigma2/S + mu2)  | r               |
 | adascale_adam | sqrt(r), r from preconditioned grads   | r               |
+|               |   Adam's betas -> beta^r, eps -> eps / sqrt(r) each step (``moments.py``)  |
 
 A fixed rule's step consumes S baseline batches, so tau advances by S and one baseline schedule
 lr(tau) and one budget T (in baseline steps) serve every policy. Policies are built from a spec
@@ -35,15 +36,20 @@ import numpy as np
 
 from .estimate import GainEstimator, _check_keys, check_scale
 from .metrics import POLICY_METRICS
+from .moments import bias_correction, moment_progress
 
 POLICY_ENV = "HVD_SCALE_POLICY"
 DEFAULT_POLICY = "adascale"
 # 2: the factor the latest step applied (``lr_factor``) is part of the state.
-STATE_VERSION = 2
+# 3: adascale_adam's default became moments=progress; a version <= 2 adascale_adam checkpoint was
+#    saved by the behaviour now spelled 'adascale_adam:moments=steps'.
+STATE_VERSION = 3
 _STATE_KEYS = {"version", "policy", "steps", "progress", "skipped", "lr_factor", "estimator"}
 
 # Which optimizers a policy has theory for, by class name (torch.optim and keras.optimizers agree).
 SGD_FAMILY = frozenset({"SGD"})
+# adascale_adam's moment horizons: in progress (betas follow the gain) or in optimizer steps.
+MOMENTS = ("progress", "steps")
 ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "Nadam", "RAdam"})
 
 
@@ -92,6 +98,15 @@ _theta = _number_option(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
 _positive = _number_option(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
 _exponent = _number_option(float, lambda v: 0.0 <= v <= 1.0,
                            "a number in [0, 1] (0: none, 0.5: sqrt, 1: linear)")
+
+
+def _choice(*allowed: str):
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"option {name}={raw!r}: expected one of {list(allowed)}")
+        return value
+    return parse
 
 
 def _rule(name: str, raw: str) -> str:
@@ -275,6 +290,13 @@ class Policy:
         self.steps += 1
         return StepInfo(self.steps, factor, before, self.progress, self.gain)
 
+    moments_in_progress: ClassVar[bool] = False  # adascale_adam's default sets Adam's betas
+
+    def second_moment_correction(self, beta2: float, steps: float) -> float:
+        """The bias correction of Adam's v after the framework's ``steps`` updates: 1 - beta2 **
+        steps (with adascale_adam's horizons in progress, 1 - beta2 ** tau)."""
+        return bias_correction(beta2, steps)
+
     def skip(self) -> None:
         """Count a skipped step (non-finite gradients): nothing else changes."""
         self.skipped += 1
@@ -342,14 +364,19 @@ class Policy:
         """Restore steps, tau and estimates. The scale stays this job's own (resize on resume).
 
         The checkpoint must come from the same policy spec; nothing changes on any error.
-        Version 1 checkpoints (without ``lr_factor``) load as if no step had been applied yet.
+        Version 1 checkpoints (without ``lr_factor``) load as if no step had been applied yet;
+        an adascale_adam checkpoint of version <= 2 was saved by 'adascale_adam:moments=steps'.
         """
         if isinstance(d, Mapping) and d.get("version") == 1 and "lr_factor" not in d:
-            d = {**d, "version": STATE_VERSION, "lr_factor": None}
+            d = {**d, "version": 2, "lr_factor": None}
         _check_keys("policy state", d, _STATE_KEYS)
-        if d["version"] != STATE_VERSION:
+        if d["version"] not in (2, STATE_VERSION):
             raise ValueError(f"policy state version {d['version']!r} is not supported "
-                             f"(expected {STATE_VERSION} or 1)")
+                             f"(expected {STATE_VERSION}, 2 or 1)")
+        if d["version"] == 2:
+            name, options = parse_spec(d["policy"])
+            if name == AdaScaleAdam.name and "moments" not in options:
+                d = {**d, "policy": d["policy"] + (",", ":")[not options] + "moments=steps"}
         if parse_spec(d["policy"]) != parse_spec(self.spec):
             raise ValueError(f"checkpoint was saved by policy {d['policy']!r}, this job runs "
                              f"{self.spec!r}; build the policy from the same spec to resume")
@@ -372,6 +399,7 @@ class Policy:
     #   [steps, progress, skipped, lr_factor, updates, bias_weight, sigma2_biased[G], mu2_biased[G]]
     # (lr_factor nan: no step applied yet)
     # Counts are exact in float64 up to 2**53. Spec, scale and smoothing are configuration.
+    STEPS_INDEX = 0     # steps applied, which a framework may read inside its graph
     PROGRESS_INDEX = 1  # tau, which a framework may read inside its graph (a schedule's step)
     _HEAD = 6
 
@@ -561,9 +589,17 @@ class AdaScale(Policy):
 
 class AdaScaleAdam(AdaScale):
     name = "adascale_adam"
-    description = ("AdaScale for the Adam family (AdaptDL's variant): gain from the "
-                   "preconditioned gradient g / (sqrt(v_hat) + eps), lr x sqrt(r), tau += r")
+    description = ("AdaScale for the Adam family: gain from the preconditioned gradient "
+                   "g / (sqrt(v_hat) + eps), lr x sqrt(r), tau += r; Adam's moment horizons in "
+                   "progress: betas -> beta^r, eps -> eps / sqrt(r), AdamW's decay per unit of tau")
+    options = {**_SMOOTHING,
+               "moments": (_choice(*MOMENTS), "progress (default): Adam's betas and eps follow "
+                           "the gain, horizons fixed in baseline steps; steps: left as the user "
+                           "set them (AdaptDL's AdamScale)")}
     statistics = "preconditioned"
+    # The optimizers whose update hvd_scale.moments knows how to drive (NAdam's momentum decay and
+    # RAdam's rectification are counted in steps).
+    PROGRESS_OPTIMIZERS = frozenset({"Adam", "AdamW"})
 
     # Adam's second moment after t steps averages about t squared gradients (t << 1/(1 - beta2)):
     # at t = 1, g / sqrt(v_hat) is sign(g), +-1 in every coordinate, and for small t the ratio's
@@ -573,6 +609,24 @@ class AdaScaleAdam(AdaScale):
     # conservative (never a larger lr than the baseline's; at most this many baseline steps of
     # progress go uncounted).
     MIN_ADAM_HISTORY = 20
+
+    @property
+    def moments_in_progress(self) -> bool:
+        """Adam's betas, eps and decoupled decay follow each step's gain (``hvd_scale.moments``)."""
+        return self._options.get("moments", "progress") == "progress"
+
+    def spec_options(self) -> dict[str, Any]:
+        opts = super().spec_options()
+        if opts.get("moments") == "progress":  # the default: one spec for one behaviour
+            del opts["moments"]
+        return opts
+
+    def second_moment_correction(self, beta2: float, steps: float) -> float:
+        # With horizons in progress the exponents applied so far add up to tau (and the
+        # framework's steps the policy did not account, as gain 1: ``moment_progress``).
+        if not self.moments_in_progress:
+            return bias_correction(beta2, steps)
+        return bias_correction(beta2, moment_progress(self.progress, self.steps, int(steps)))
 
     def factor(self) -> float:
         return math.sqrt(self.gain)
@@ -593,6 +647,11 @@ class AdaScaleAdam(AdaScale):
         if optimizer_family(optimizer) != "adam":
             raise ValueError(f"policy 'adascale_adam' is for {sorted(ADAM_FAMILY)}, got "
                              f"optimizer {optimizer!r}; for SGD use 'adascale'")
+        if self.moments_in_progress and optimizer not in self.PROGRESS_OPTIMIZERS:
+            raise ValueError(f"policy 'adascale_adam' sets the moment horizons of "
+                             f"{sorted(self.PROGRESS_OPTIMIZERS)} only, got optimizer "
+                             f"{optimizer!r}: use 'adascale_adam:moments=steps' to leave its "
+                             "betas alone")
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -53,3 +53,19 @@ def test_same_gains_in_torch_and_keras(runs, k, keras_path):
     # Each framework's ranks agree exactly among themselves.
     for framework in PATHS:
         assert runs[(framework, k, 0)]["rows"] == runs[(framework, k, 1)]["rows"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("keras_path", ["keras", "keras-torch"])
+def test_same_weights_with_adam_moment_horizons(runs, keras_path):
+    """AdamW under adascale_adam (betas^r, eps / sqrt(r), bias correction 1 - beta^tau, decay per
+    unit of tau) in torch and in Keras: the same gains, tau and weights."""
+    for rank in range(NP):
+        t, kr = runs[("torch", "adam", rank)], runs[(keras_path, "adam", rank)]
+        assert len(t["rows"]) == len(kr["rows"]) == 26
+        tg = np.array([row["gain"] for row in t["rows"]])
+        assert tg[:20].tolist() == [1.0] * 20 and tg.max() > 1.2  # measured gains drive the betas
+        np.testing.assert_allclose([row["gain"] for row in kr["rows"]], tg, rtol=GAIN_RTOL)
+        np.testing.assert_allclose([row["progress"] for row in kr["rows"]],
+                                   [row["progress"] for row in t["rows"]], rtol=GAIN_RTOL)
+        np.testing.assert_allclose(kr["weights"], t["weights"], atol=WEIGHT_ATOL)

@@ -176,6 +176,23 @@ def test_adascale_adam_uses_sqrt_gain(results):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_adam_moment_horizons_follow_the_gain(results, kind):
+    """adascale_adam's default against a one-process reference applying the rule by hand: betas^r,
+    eps / sqrt(r), bias correction 1 - beta^tau, AdamW's decay (1 - lr wd)^r per step."""
+    r0, r1 = (r[kind] for r in both_ranks(results, "adam_horizons"))
+    assert r0["rows"] == r1["rows"] and r0["scale"] == 4
+    rows = r0["rows"]
+    assert max(row["gain"] for row in rows) > 1.5  # the rule is exercised, not only r = 1
+    for row in rows:
+        assert row["diff"] < 1e-12, row
+    # The user's values, whatever each step set: after the steps, in the checkpoint, resumed.
+    user = [[0.9, 0.98], 1e-6, 0.05 if kind == "AdamW" else 0.0, 0.01]
+    assert r0["after"] == r0["saved"] == r0["resumed"] == user
+    assert r0["resumed_progress"] == rows[-1]["progress"]
+
+
+@pytest.mark.timeout(300)
 def test_misuse_errors_on_every_rank_without_hanging(results):
     for r in both_ranks(results, "misuse"):
         e = r["errors"]

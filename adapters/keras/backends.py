@@ -81,11 +81,11 @@ class TensorFlowBackend:
         return total
 
     def host_call(self, fn: Callable, args: Sequence, name: str):
-        """fn(*numpy args) -> (float64 vector, float64 scalar), as a graph op (numpy_function)."""
+        """fn(*numpy args) -> (float64 vector, float64 vector), as a graph op (numpy_function)."""
         tf = self._tf
-        vector, scalar = tf.numpy_function(fn, list(args), [tf.float64, tf.float64],
+        vector, values = tf.numpy_function(fn, list(args), [tf.float64, tf.float64],
                                            stateful=True, name=name)
-        return vector, scalar
+        return vector, values
 
     def broadcast_variables(self, variables, root_rank: int) -> None:
         self.hvd.broadcast_variables([v.value if isinstance(v, keras.Variable) else v
@@ -151,9 +151,9 @@ class TorchBackend:
         return total
 
     def host_call(self, fn: Callable, args: Sequence, name: str):
-        vector, scalar = fn(*(keras.ops.convert_to_numpy(a) for a in args))
+        vector, values = fn(*(keras.ops.convert_to_numpy(a) for a in args))
         return (keras.ops.convert_to_tensor(np.asarray(vector), "float64"),
-                keras.ops.convert_to_tensor(np.asarray(scalar), "float64"))
+                keras.ops.convert_to_tensor(np.asarray(values), "float64"))
 
     def broadcast_variables(self, variables, root_rank: int) -> None:
         for i, v in enumerate(variables):

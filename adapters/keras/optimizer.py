@@ -29,6 +29,7 @@ import numpy as np
 from keras import ops
 
 from hvd_scale.adapters.core import Readout, Scaling
+from hvd_scale.moments import EPS_RAW
 from hvd_scale.policies import Policy
 
 from . import backends
@@ -36,6 +37,7 @@ from . import backends
 ALLREDUCE_NAME = "hvd_scale.step"
 GROUPS = 1  # all trainable variables share one lr in Keras: one parameter group
 _PROGRESS = Policy.PROGRESS_INDEX
+_STEPS = Policy.STEPS_INDEX
 
 # Base-optimizer arguments that belong on the inner optimizer (as in LossScaleOptimizer).
 _INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "clipvalue",
@@ -45,6 +47,9 @@ _INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "
 # For adascale_adam: the Adam family's second-moment hyperparameters (its `_velocities` exist
 # once built).
 _ADAM_SLOTS = ("beta_2", "epsilon")
+# What the host step returns besides the state: the lr factor (0: skipped), then the step's lr,
+# beta_1, beta_2, epsilon and weight decay where adascale_adam sets Adam's moments.
+_SETTINGS = ("lr_factor", "lr", "beta_1", "beta_2", "epsilon", "weight_decay")
 
 
 def _lr_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -221,16 +226,25 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         """[q]: |g_bar|^2 of the averaged (mean micro-) gradient."""
         return ops.reshape(self._sqnorm_of(mean_grads, variables), (1,))
 
-    def apply_step(self, grads, variables, lr):
-        """inner.apply with the step's lr; the user's lr attribute is put back untouched."""
+    def apply_step(self, grads, variables, lr, adam=None):
+        """inner.apply with the step's lr (and, for adascale_adam, the step's beta_1, beta_2,
+        epsilon and weight decay: ``hvd_scale.moments``); the user's attributes are put back."""
         owner = _lr_owner(self.inner_optimizer)
-        saved = owner.__dict__["_learning_rate"]
+        swaps = {"_learning_rate": lr}
+        if adam is not None:
+            beta_1, beta_2, epsilon, weight_decay = adam
+            swaps.update(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
+            if owner.weight_decay is not None:
+                swaps["weight_decay"] = weight_decay
+        saved = {key: owner.__dict__[key] for key in swaps}
         # Bypass Keras's attribute tracking: the swap lasts for this call only.
-        object.__setattr__(owner, "_learning_rate", lr)
+        for key, value in swaps.items():
+            object.__setattr__(owner, key, value)
         try:
             self.inner_optimizer.apply(grads, variables)
         finally:
-            object.__setattr__(owner, "_learning_rate", saved)
+            for key, value in saved.items():
+                object.__setattr__(owner, key, value)
 
     def _step(self, local_grads, variables, local_sqnorm, count):
         """One optimizer step from this worker's summed micro-gradients and statistics."""
@@ -247,27 +261,45 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         loss_scale = self._loss_scale()
         loss_scale = ops.convert_to_tensor(1.0 if loss_scale is None else loss_scale, "float64")
         base_lr = ops.cast(self._base_learning_rate(self._state.value[_PROGRESS]), "float64")
-        new_state, factor = self._backend.host_call(
-            self._host_step, [self._state.value, stats, finite, base_lr, loss_scale],
+        owner = _lr_owner(self.inner_optimizer)
+        new_state, settings = self._backend.host_call(
+            self._host_step, [self._state.value, stats, finite, base_lr, loss_scale,
+                              ops.cast(owner.iterations, "float64")],
             name="hvd_scale_policy_step")
         new_state = ops.reshape(new_state, self._state.shape)
-        factor = ops.reshape(factor, ())
+        settings = ops.reshape(settings, (len(_SETTINGS),))
+        factor = settings[0]
         self._state.assign(new_state)
-        lr = base_lr * factor
+        lr, adam = base_lr * factor, None
+        if self.scaling.policy.moments_in_progress:  # the same on every rank: fixed by the spec
+            dtype = keras.backend.standardize_dtype(variables[0].dtype)
+            lr = settings[1]
+            adam = [ops.cast(settings[i], dtype) for i in range(2, len(_SETTINGS))]
         if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
             # It checks finiteness itself (same averaged gradient on every rank) and must see an
             # overflow to lower its scale; a skipped step reaches it with lr 0.
-            self.apply_step(mean, variables, lr)
+            self.apply_step(mean, variables, lr, adam)
         else:
-            ops.cond(factor > 0, lambda: self.apply_step(mean, variables, lr), lambda: None)
+            ops.cond(factor > 0, lambda: self.apply_step(mean, variables, lr, adam), lambda: None)
 
-    def _host_step(self, state, stats, finite, base_lr, loss_scale):
-        """The engine's step, on the host: (new state vector, lr factor; 0 for a skipped step)."""
+    def _host_step(self, state, stats, finite, base_lr, loss_scale, iterations):
+        """The engine's step, on the host: (new state vector, ``_SETTINGS``: the lr factor, 0 for
+        a skipped step, and for adascale_adam the step's lr, betas, eps and decay)."""
         self._load_vector(state)
-        factor = self.scaling.step(stats if self.scaling.measure else None, base_lr=float(base_lr),
+        base_lr = float(base_lr)
+        factor = self.scaling.step(stats if self.scaling.measure else None, base_lr=base_lr,
                                    finite=bool(finite), loss_scale=float(loss_scale))
         self._mirror = self.scaling.policy.state_vector(GROUPS)
-        return self._mirror.copy(), np.float64(factor)
+        owner = _lr_owner(self.inner_optimizer)
+        moments = factor != 0.0 and self.scaling.policy.moments_in_progress
+        adam = None if not moments else self.scaling.adam_step(
+            base_lr=base_lr, lr_factor=factor, beta1=owner.beta_1, beta2=owner.beta_2,
+            eps=owner.epsilon, framework_step=int(iterations) + 1, eps_placement=EPS_RAW,
+            weight_decay=owner.weight_decay)
+        settings = [factor, base_lr * factor, math.nan, math.nan, math.nan, math.nan] \
+            if adam is None else [factor, adam.lr, adam.beta1, adam.beta2, adam.eps,
+                                  math.nan if adam.weight_decay is None else adam.weight_decay]
+        return self._mirror.copy(), np.asarray(settings, dtype=np.float64)
 
     def _base_learning_rate(self, progress):
         """The user's lr for the step at progress tau: a schedule runs at floor(tau)."""
@@ -297,7 +329,13 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             return grads
         owner = _lr_owner(self.inner_optimizer)
         t = ops.cast(owner.iterations, "float32")
-        bias_correction2 = 1.0 - ops.power(ops.cast(owner.beta_2, "float32"), t)
+        # 1 - beta_2 ** t; with horizons in progress the exponents applied add up to tau (plus
+        # any update the policy did not account: hvd_scale.moments.moment_progress).
+        exponent = t
+        if self.scaling.policy.moments_in_progress:
+            state = ops.cast(self._state.value, "float32")
+            exponent = state[_PROGRESS] + ops.maximum(t - state[_STEPS], 0.0)
+        bias_correction2 = 1.0 - ops.power(ops.cast(owner.beta_2, "float32"), exponent)
         velocities = getattr(owner, "_velocities", None)
         if velocities is None:
             raise ValueError(f"policy {self.scaling.policy.name!r} needs the second moment of "

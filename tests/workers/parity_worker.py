@@ -23,6 +23,10 @@ LR = 0.05
 STEPS = 6
 BATCH = 16
 PASSES = (1, 2, 4)
+# The Adam run: AdamW with adascale_adam's moment horizons in progress, long enough for measured
+# gains (statistics start after AdaScaleAdam.MIN_ADAM_HISTORY = 20 steps). eps tiny: torch adds it
+# to sqrt(v_hat) and Keras to sqrt(v), so only a negligible eps makes the two updates the same.
+ADAM = {"k": 2, "steps": 26, "lr": 0.01, "betas": (0.9, 0.98), "eps": 1e-12, "weight_decay": 0.05}
 
 
 def initial_weights():
@@ -41,7 +45,7 @@ def emit(rank, **values):
     print("RESULT " + json.dumps({"rank": rank, **values}), flush=True)
 
 
-def run_torch(k):
+def run_torch(k, adam=False):
     import horovod.torch as hvd
     import torch
 
@@ -52,11 +56,14 @@ def run_torch(k):
     with torch.no_grad():
         for p, w in zip(model.parameters(), initial_weights()):
             p.copy_(torch.from_numpy(w))
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
-                               named_parameters=model.named_parameters(), policy="adascale",
+    inner = torch.optim.AdamW(model.parameters(), lr=ADAM["lr"], betas=ADAM["betas"], eps=ADAM["eps"],
+                              weight_decay=ADAM["weight_decay"]) if adam else \
+        torch.optim.SGD(model.parameters(), lr=LR)
+    opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                               policy="adascale_adam" if adam else "adascale",
                                backward_passes_per_step=k)
     rows = []
-    for step in range(STEPS):
+    for step in range(ADAM["steps"] if adam else STEPS):
         opt.zero_grad()
         for j in range(k):
             x, y = micro_batch(hvd.rank(), step, j)
@@ -69,7 +76,7 @@ def run_torch(k):
     return hvd.rank(), opt.scale, rows, weights
 
 
-def run_keras(k):
+def run_keras(k, adam=False):
     import keras
 
     from hvd_scale.adapters.keras import DistributedOptimizer, hvd
@@ -85,10 +92,15 @@ def run_keras(k):
                               keras.layers.Dense(3)])
     w1, b1, w2, b2 = initial_weights()
     model.set_weights([w1.T, b1, w2.T, b2])
-    opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale", backward_passes_per_step=k)
+    inner = keras.optimizers.AdamW(ADAM["lr"], beta_1=ADAM["betas"][0], beta_2=ADAM["betas"][1],
+                                   epsilon=ADAM["eps"], weight_decay=ADAM["weight_decay"]) if adam \
+        else keras.optimizers.SGD(LR)
+    opt = DistributedOptimizer(inner, policy="adascale_adam" if adam else "adascale",
+                               backward_passes_per_step=k)
     model.compile(optimizer=opt, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    batches = [micro_batch(hvd.rank(), step, j) for step in range(STEPS) for j in range(k)]
+    batches = [micro_batch(hvd.rank(), step, j) for step in range(ADAM["steps"] if adam else STEPS)
+               for j in range(k)]
     x = np.concatenate([b[0] for b in batches])
     y = np.concatenate([b[1] for b in batches])
     rows = []
@@ -120,6 +132,8 @@ def main():
     for k in PASSES:
         rank, scale, rows, weights = run(k)
         emit(rank, framework=args.framework, k=k, scale=scale, rows=rows, weights=weights.tolist())
+    rank, scale, rows, weights = run(ADAM["k"], adam=True)
+    emit(rank, framework=args.framework, k="adam", scale=scale, rows=rows, weights=weights.tolist())
     return 0
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hvd_scale import GainEstimator
-from hvd_scale.adapters.torch import DistributedOptimizer, ScaleInvariantScheduler
+from hvd_scale.adapters.torch import DistributedOptimizer, ScaleInvariantScheduler, broadcast_state
 
 LR = 0.05
 
@@ -334,12 +334,78 @@ def case_adam():
     p = group["params"][0]
     g = torch.randn_like(p)
     g_before = g.clone()
-    bias_correction2 = 1 - group["betas"][1] ** float(opt.state[p]["step"])
+    # Adam's v after these steps, its horizons in progress: bias correction 1 - beta2 ** tau.
+    bias_correction2 = 1 - group["betas"][1] ** opt.progress
     expected = g / ((opt.state[p]["exp_avg_sq"] / bias_correction2).sqrt() + group["eps"])
     exact = torch.equal(opt._precondition(p, g, group), expected)
     emit("adam", rows=rows, lr=opt.param_groups[0]["lr"], precondition_exact=exact,
          plain_sigma2=sgd.sigma2, history=opt.policy.MIN_ADAM_HISTORY,
          grad_untouched=torch.equal(g, g_before))
+
+
+def case_adam_horizons():
+    """adascale_adam's default, Adam's moment horizons in progress: every step sets betas^r and
+    eps / sqrt(r), the bias correction is 1 - beta^tau, AdamW decays by (1 - lr wd)^r; the weights
+    equal a one-process reference that applies this rule by hand to all ranks' micro-batches, and
+    the user's betas, eps and weight decay are what param_groups and state_dict() show, also after
+    a resume. AdamW goes through broadcast_state, whose zero-gradient step (Horovod initializes
+    the state so) counts in the bias correction as one baseline step."""
+    k, size, lr, betas, eps = 2, hvd.size(), 0.01, (0.9, 0.98), 1e-6
+    out = {}
+    for kind, wd in (("Adam", 0.0), ("AdamW", 0.05)):
+        model = make_model()
+        inner = getattr(torch.optim, kind)(model.parameters(), lr=lr, betas=betas, eps=eps,
+                                           weight_decay=wd)
+        opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                   policy="adascale_adam", backward_passes_per_step=k)
+        offset = 1 if kind == "AdamW" else 0  # broadcast_state's zero-gradient step
+        if offset:
+            broadcast_state(model, opt)
+        ref = copy.deepcopy(model)
+        moments = [[torch.zeros_like(p), torch.zeros_like(p)] for p in ref.parameters()]
+        rows = []
+        for step in range(26):
+            opt.zero_grad()
+            for j in range(k):
+                loss_fn(model, *micro_batch(hvd.rank(), step, j)).backward()
+            opt.step()
+            info = opt.scaling.last_step
+            r, tau = info.gain, info.progress
+            grads = []
+            for rank in range(size):
+                for j in range(k):
+                    ref.zero_grad()
+                    loss_fn(ref, *micro_batch(rank, step, j)).backward()
+                    grads.append([p.grad.clone() for p in ref.parameters()])
+            with torch.no_grad():
+                for i, p in enumerate(ref.parameters()):
+                    g = torch.stack([gs[i] for gs in grads]).mean(0)
+                    m, v = moments[i]
+                    b1, b2 = betas[0] ** r, betas[1] ** r
+                    p.mul_((1 - lr * wd) ** r)
+                    m.mul_(b1).add_(g, alpha=1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    c1, c2 = 1 - betas[0] ** (tau + offset), 1 - betas[1] ** (tau + offset)
+                    p.sub_(lr * info.lr_factor / c1 * m / ((v / c2).sqrt() + eps / math.sqrt(r)))
+            rows.append({"gain": r, "lr_factor": info.lr_factor, "progress": tau,
+                         "diff": float((params_vector(model) - params_vector(ref)).abs().max())})
+        group = opt.param_groups[0]
+        saved = opt.state_dict()
+        model2 = make_model()
+        opt2 = DistributedOptimizer(getattr(torch.optim, kind)(model2.parameters(), lr=lr, betas=betas,
+                                                               eps=eps, weight_decay=wd),
+                                    named_parameters=model2.named_parameters(),
+                                    policy="adascale_adam", backward_passes_per_step=k)
+        opt2.load_state_dict(saved)
+        out[kind] = {"rows": rows, "scale": opt.scale,
+                     "after": [list(group["betas"]), group["eps"], group["weight_decay"], group["lr"]],
+                     "saved": [list(saved["inner"]["param_groups"][0][key]) if key == "betas"
+                               else saved["inner"]["param_groups"][0][key]
+                               for key in ("betas", "eps", "weight_decay", "lr")],
+                     "resumed": [list(opt2.param_groups[0]["betas"]), opt2.param_groups[0]["eps"],
+                                 opt2.param_groups[0]["weight_decay"], opt2.param_groups[0]["lr"]],
+                     "resumed_progress": opt2.progress}
+    emit("adam_horizons", **out)
 
 
 def case_misuse():
@@ -464,6 +530,7 @@ CASES = {
     "misuse": case_misuse,
     "save_for_resize": case_save_for_resize,
     "adam": case_adam,
+    "adam_horizons": case_adam_horizons,
     "reference": lambda: case_reference(1, False),
     "accumulate": lambda: (case_reference(2, False), case_reference(2, True)),
     "policies": case_policies,

@@ -1,0 +1,168 @@
+"""Adam's moment horizons in progress (hvd_scale/moments.py): the settings handed to torch's and
+Keras's own Adam formulas produce the update of the rule written out by hand."""
+
+import math
+
+import numpy as np
+import pytest
+
+from hvd_scale.moments import EPS_CORRECTED, EPS_RAW, adam_step, bias_correction, moment_progress
+from hvd_scale.policies import AdaScaleAdam, make_policy
+
+B1, B2, EPS, LR = 0.9, 0.98, 1e-6, 0.01
+
+
+def reference(grads, gains, eps_placement, *, lr=LR, wd=0.0, w0=1.0):
+    """The rule by hand: betas^r, eps / sqrt(r), bias correction 1 - beta^tau, lr x sqrt(r),
+    decoupled decay (1 - lr wd)^r per step."""
+    m = v = 0.0
+    w, tau = np.full_like(grads[0], w0), 0.0
+    for g, r in zip(grads, gains):
+        tau += r
+        b1, b2 = B1 ** r, B2 ** r
+        w = w * (1 - lr * wd) ** r
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        c1, c2 = 1 - B1 ** tau, 1 - B2 ** tau
+        step_lr, eps = lr * math.sqrt(r), EPS / math.sqrt(r)
+        if eps_placement == EPS_CORRECTED:  # torch: eps beside sqrt(v_hat)
+            w = w - step_lr / c1 * m / (np.sqrt(v / c2) + eps)
+        else:  # Keras: eps beside sqrt(v), the correction folded into the lr
+            w = w - step_lr * math.sqrt(c2) / c1 * m / (np.sqrt(v) + eps)
+    return w
+
+
+def framework(grads, gains, eps_placement, *, lr=LR, wd=0.0, w0=1.0):
+    """torch's or Keras's own Adam(W) step (its step count t in the bias correction), driven by
+    the settings adam_step returns."""
+    m = v = 0.0
+    w, tau = np.full_like(grads[0], w0), 0.0
+    for t, (g, r) in enumerate(zip(grads, gains), start=1):
+        tau += r
+        s = adam_step(lr=lr * math.sqrt(r), base_lr=lr, beta1=B1, beta2=B2, eps=EPS, gain=r,
+                      progress=tau, framework_step=t, eps_placement=eps_placement,
+                      weight_decay=wd)
+        w = w * (1 - s.lr * s.weight_decay)
+        m = s.beta1 * m + (1 - s.beta1) * g
+        v = s.beta2 * v + (1 - s.beta2) * g * g
+        f1, f2 = 1 - s.beta1 ** t, 1 - s.beta2 ** t
+        if eps_placement == EPS_CORRECTED:
+            w = w - s.lr / f1 * m / (np.sqrt(v) / math.sqrt(f2) + s.eps)
+        else:
+            w = w - s.lr * math.sqrt(f2) / f1 * m / (np.sqrt(v) + s.eps)
+    return w
+
+
+@pytest.mark.parametrize("placement", [EPS_CORRECTED, EPS_RAW])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_framework_formula_with_the_settings_equals_the_rule(placement, wd):
+    rng = np.random.default_rng(0)
+    grads = [rng.normal(size=5) * 1e-3 for _ in range(30)]
+    # Gain 1 first (adascale_adam's warm-in), then measured gains, then 1 again.
+    gains = [1.0] * 5 + list(rng.uniform(1, 40, 20)) + [1.0] * 5
+    ref = reference(grads, gains, placement, wd=wd)
+    got = framework(grads, gains, placement, wd=wd)
+    np.testing.assert_allclose(got, ref, rtol=1e-12)
+    # And it is not plain Adam with a larger lr (the test can fail).
+    plain = framework(grads, [1.0] * 30, placement, wd=wd)
+    assert not np.allclose(got, plain, rtol=1e-3)
+
+
+def test_gain_one_returns_the_users_values_untouched():
+    for t in (1, 2, 37):
+        s = adam_step(lr=0.1 * 1.0, base_lr=0.1, beta1=B1, beta2=B2, eps=EPS, gain=1.0,
+                      progress=float(t), framework_step=t, eps_placement=EPS_CORRECTED,
+                      weight_decay=0.3)
+        assert (s.lr, s.beta1, s.beta2, s.eps, s.weight_decay) == (0.1, B1, B2, EPS, 0.3)
+
+
+def test_gain_one_after_larger_gains_still_corrects_the_bias():
+    # tau = 12 after 4 steps: torch corrects with 1 - beta^5, the rule with 1 - beta^13.
+    s = adam_step(lr=LR, base_lr=LR, beta1=B1, beta2=B2, eps=EPS, gain=1.0, progress=13.0,
+                  framework_step=5, eps_placement=EPS_CORRECTED)
+    assert (s.beta1, s.beta2) == (B1, B2)
+    ratio = (math.sqrt(1 - B2 ** 13) / (1 - B1 ** 13)) / (math.sqrt(1 - B2 ** 5) / (1 - B1 ** 5))
+    assert s.lr == pytest.approx(LR * ratio, rel=1e-15)
+    assert s.eps == pytest.approx(EPS * math.sqrt((1 - B2 ** 13) / (1 - B2 ** 5)), rel=1e-15)
+
+
+def test_decoupled_decay_per_unit_of_progress():
+    s = adam_step(lr=LR * 3, base_lr=LR, beta1=B1, beta2=B2, eps=EPS, gain=9.0, progress=100.0,
+                  framework_step=60, eps_placement=EPS_RAW, weight_decay=0.1)
+    assert 1 - s.lr * s.weight_decay == pytest.approx((1 - LR * 0.1) ** 9, rel=1e-14)
+    assert s.beta1 == B1 ** 9 and s.beta2 == B2 ** 9 and s.eps == EPS / 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"gain": 0.5}, "gain must be a finite number >= 1, got 0.5"),
+    ({"gain": math.nan}, "gain must be a finite number >= 1, got nan"),
+    ({"eps_placement": "inside"}, "eps_placement must be"),
+    ({"weight_decay": 200.0}, "lr x weight_decay must be in [0, 1)"),
+])
+def test_bad_inputs_are_refused(kwargs, message):
+    args = dict(lr=LR, base_lr=LR, beta1=B1, beta2=B2, eps=EPS, gain=2.0, progress=10.0,
+                framework_step=5, eps_placement=EPS_CORRECTED)
+    with pytest.raises(ValueError) as e:
+        adam_step(**{**args, **kwargs})
+    assert message in str(e.value)
+
+
+def test_bias_correction_is_the_baselines_after_tau_steps():
+    assert bias_correction(0.9, 3.0) == 1 - 0.9 ** 3
+
+
+def test_updates_the_policy_did_not_account_count_as_baseline_steps():
+    # Horovod's broadcast_optimizer_state: one zero-gradient step before the first real one.
+    assert moment_progress(0.0, 0, 1) == 1.0
+    assert moment_progress(37.5, 10, 11) == 38.5
+    assert moment_progress(37.5, 10, 10) == 37.5
+    assert moment_progress(37.5, 10, 4) == 37.5  # fewer: tau alone (never below it)
+
+
+# -- the policy ------------------------------------------------------------------------------------
+
+def test_policy_default_is_horizons_in_progress_and_steps_is_the_adaptdl_variant():
+    default = make_policy("adascale_adam", scale=8)
+    assert default.moments_in_progress and default.spec == "adascale_adam"
+    assert make_policy("adascale_adam:moments=progress", scale=8).spec == "adascale_adam"
+    adaptdl = make_policy("adascale_adam:moments=steps", scale=8)
+    assert not adaptdl.moments_in_progress and adaptdl.spec == "adascale_adam:moments=steps"
+    assert not make_policy("adascale", scale=8).moments_in_progress
+    with pytest.raises(ValueError, match=r"option moments='epochs': expected one of \['progress', 'steps'\]"):
+        make_policy("adascale_adam:moments=epochs", scale=8)
+
+
+def test_policy_refuses_optimizers_whose_horizons_it_cannot_set():
+    with pytest.raises(ValueError, match="'NAdam'.*adascale_adam:moments=steps"):
+        make_policy("adascale_adam", scale=8, optimizer="NAdam")
+    make_policy("adascale_adam:moments=steps", scale=8, optimizer="NAdam")
+    for name in ("Adam", "AdamW"):
+        make_policy("adascale_adam", scale=8, optimizer=name)
+
+
+def test_second_moment_correction_counts_progress():
+    p = make_policy("adascale_adam", scale=8)
+    assert p.second_moment_correction(0.98, 0) == 0.0  # nothing in v yet
+    assert p.second_moment_correction(0.98, 1) == 1 - 0.98  # broadcast_state's zero step
+    p.progress, p.steps = 40.0, 10
+    assert p.second_moment_correction(0.98, 10) == 1 - 0.98 ** 40.0
+    assert p.second_moment_correction(0.98, 11) == 1 - 0.98 ** 41.0
+    q = make_policy("adascale_adam:moments=steps", scale=8)
+    q.progress = 40.0
+    assert q.second_moment_correction(0.98, 10) == 1 - 0.98 ** 10
+
+
+def test_checkpoint_of_the_older_default_resumes_only_as_moments_steps():
+    """A version-2 adascale_adam checkpoint was saved by today's moments=steps behaviour: it
+    resumes there, and the new default refuses it instead of changing the run silently."""
+    old = make_policy("adascale_adam:moments=steps", scale=4)
+    state = {**old.state_dict(), "version": 2, "policy": "adascale_adam"}
+    make_policy("adascale_adam:moments=steps", scale=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="adascale_adam:moments=steps"):
+        make_policy("adascale_adam", scale=4).load_state_dict(state)
+    state = {**state, "policy": "adascale_adam:smoothing=0.9"}
+    make_policy("adascale_adam:smoothing=0.9,moments=steps", scale=4).load_state_dict(state)
+    # Today's checkpoints round-trip.
+    new = make_policy("adascale_adam", scale=4)
+    make_policy("adascale_adam", scale=4).load_state_dict(new.state_dict())
+    assert AdaScaleAdam.MIN_ADAM_HISTORY == 20
