@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess  # noqa: F401  (the horovodrun engine calls subprocess.call; tests patch it here)
 import sys
 from typing import Sequence
 
@@ -103,6 +102,9 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     except engines.EngineUnavailable as e:
         print(f"hvd-scale run: {e}", file=sys.stderr)
         return 127
+    except engines.JobStopped as e:  # the job was stopped; nothing of it is left running
+        print(f"hvd-scale run: the job was {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the engine's own failure (a lost worker, a cluster that did not start)

@@ -24,7 +24,8 @@ horovod.ray and horovod.spark put the Gloo rendezvous: ``HOROVOD_RANK``, ``HOROV
 ``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``, ``HOROVOD_GLOO_IFACE``, ...) plus ``Job.env``, and
 returns its exit code and output, which ``run_command`` prints tagged by rank the way horovodrun
 does (``[0]<stdout>:...``), once the job is over. Ray, pyspark and horovod.ray/spark are imported
-only inside their engines.
+only inside their engines. SIGINT, SIGTERM or SIGHUP to the driver during ``run_command`` stops
+the whole job (``STOP_TIMEOUT_S``, then SIGKILL) and raises ``JobStopped``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from hvd_scale.metrics import LOG_DIR_ENV
@@ -73,6 +77,25 @@ RAY_OBJECT_STORE_BYTES = 256 * 1024 ** 2
 DEFAULT_NP = 2
 # Seconds for the workers to start and meet (Ray: Gloo rendezvous; Spark: tasks registering).
 START_TIMEOUT_S = 120
+# A stop signal to the driver (SIGINT, SIGTERM, SIGHUP) goes on to the whole job, which then has
+# STOP_TIMEOUT_S to exit (time for a rank to save a checkpoint, well inside the 30 s that
+# Kubernetes and Slurm wait) before what is left is killed; the driver exits with 128 + signum.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_TIMEOUT_S = 10
+KILL_WAIT_S = 2  # for SIGKILLed processes to be gone
+# Set in the environment of each rank that command_worker starts, so that a stopped Ray or Spark
+# job can pass the signal to its ranks among the cluster's own processes.
+COMMAND_RANK_ENV = "HVD_SCALE_COMMAND_RANK"
+
+
+class JobStopped(KeyboardInterrupt):
+    """The driver got a stop signal and stopped the job; ``exit_code`` is 128 + signum.
+    A KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 class EngineUnavailable(RuntimeError):
@@ -123,7 +146,8 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         """Release what start brought up; called once after start, also when start or the job
-        failed (so it must cope with a start that stopped half-way)."""
+        failed (so it must cope with a start that stopped half-way), and once more when a stop
+        signal cuts it short."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,11 +230,23 @@ def run_command(command: Sequence[str], np: int | None = None, engine: str | Eng
         raise ValueError("give the command to run")
     job = make_job(np, policy, log_dir, min_np, max_np)
     eng = make_engine(engine, **engine_options)
-    try:
-        eng.start(job)
-        return eng.run_command(list(command), job)
-    finally:
-        eng.shutdown()
+    earlier = {p.pid for p in _below([_this_process()])}  # not the job's: never stopped
+    with _StopOnSignals() as stop:
+        try:
+            try:
+                eng.start(job)
+                stop.arm()  # again: start may set handlers of its own (ray.init's SIGTERM exits)
+                return eng.run_command(list(command), job)
+            finally:
+                stop.check()  # a stop signal that a library's own handler took stops the job too
+                if not stop.stopping:
+                    eng.shutdown()
+        except KeyboardInterrupt:  # JobStopped, or the KeyboardInterrupt a library made of it
+            if not stop.stopping:
+                raise
+            job_procs = [p for p in _below([_this_process()]) if p.pid not in earlier]
+            _stop_engine(eng, stop.signum, job_procs)
+            raise JobStopped(stop.signum) from None
 
 
 def command_worker(command: Sequence[str], env: Mapping[str, str], cwd: str | None) -> dict:
@@ -218,25 +254,34 @@ def command_worker(command: Sequence[str], env: Mapping[str, str], cwd: str | No
     engine's Horovod rendezvous variables) plus `env`; its rank, exit code and output."""
     child_env = dict(os.environ)
     child_env.update(env)
+    child_env[COMMAND_RANK_ENV] = "1"
     proc = subprocess.run(list(command), env=child_env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, errors="replace",
                           cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                          preexec_fn=_die_with_parent())
+                          preexec_fn=_rank_setup())
     return {"rank": int(os.environ.get("HOROVOD_RANK", "-1")), "returncode": proc.returncode,
             "stdout": proc.stdout, "stderr": proc.stderr}
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that has the child killed when its worker dies (Linux), so a worker that Ray
-    or Spark kills leaves no training process behind."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-    import signal
+def _rank_setup() -> Callable[[], None]:
+    """A preexec_fn for the child: the stop signals unblocked (Ray's processes block SIGINT, and
+    a signal mask survives exec, so the rank would miss the driver's SIGINT) and, on Linux, the
+    child killed when its worker dies, so a worker that Ray or Spark kills leaves no training
+    process behind."""
+    die_with_parent = None
+    if sys.platform.startswith("linux"):
+        import ctypes
 
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig = 1
-    return lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        pr_set_pdeathsig = 1
+        die_with_parent = lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)  # noqa: E731
+
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        if die_with_parent is not None:
+            die_with_parent()
+
+    return setup
 
 
 def command_via_workers(engine: Engine, command: Sequence[str], job: Job) -> int:
@@ -269,6 +314,174 @@ def _call_with_env(fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str
     """Runs in a worker: job.env into its environment, then fn(*args)."""
     os.environ.update(env)
     return fn(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping a job on SIGINT, SIGTERM or SIGHUP to the driver. Left to their default actions these
+# end the driver at once, and horovodrun (or mpirun, re-parented to PID 1) and the ranks train on.
+# Processes are found with psutil, a Horovod dependency (so there wherever an engine can run).
+
+class _StopOnSignals:
+    """While a job runs, the first stop signal raises JobStopped in the driver's main thread
+    and is recorded (stopping, signum), also for when a library turns the exception into another
+    KeyboardInterrupt. Later signals are ignored, so that they cannot cut the stop short (it is
+    bounded already). A library may replace the handlers while the job runs (horovod.spark's
+    launch_gloo does, and its handler ends the job as a failure): Python also writes the number
+    of every signal it handles to a wakeup fd, which check() reads. The previous handlers and
+    wakeup fd come back on exit. Python sets handlers only in the main thread: elsewhere this
+    does nothing."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.stopping = False
+        self._saved: dict[int, Any] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._wakeup = -1
+
+    def _handler(self, signum, frame):
+        if not self.stopping:
+            self.stopping, self.signum = True, signum
+            raise JobStopped(signum)
+
+    def arm(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._saved.setdefault(signum, signal.signal(signum, self._handler))
+
+    def check(self) -> None:
+        """Raise JobStopped for a stop signal that reached another handler."""
+        if self.stopping or self._pipe is None:
+            return
+        try:
+            received = os.read(self._pipe[0], 4096)
+        except BlockingIOError:  # nothing came
+            return
+        for signum in received:
+            if signum in STOP_SIGNALS:
+                self.stopping, self.signum = True, signum
+                raise JobStopped(signum)
+
+    def __enter__(self) -> "_StopOnSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._pipe = os.pipe()
+            for fd in self._pipe:
+                os.set_blocking(fd, False)
+            self._wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        self.arm()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._saved.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._wakeup)
+            for fd in self._pipe:
+                os.close(fd)
+
+
+def _this_process():
+    import psutil
+
+    return psutil.Process()
+
+
+def _below(procs) -> list:
+    """The descendants of procs (psutil.Process objects)."""
+    import psutil
+
+    found = []
+    for p in procs:
+        try:
+            found += p.children(recursive=True)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:  # a zombie has exited: only its parent's wait is missing
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop_processes(signum: int, procs, groups: Sequence[int] = ()) -> None:
+    """Send signum to procs (psutil.Process objects), their descendants and the process groups,
+    give them STOP_TIMEOUT_S to exit, then SIGKILL what is left. Descendants are looked up again
+    while waiting, so a process started meanwhile gets the signal too, and one re-parented to
+    PID 1 when its parent exits (mpirun after horovodrun's shell) is still known."""
+    import psutil
+
+    known = {p.pid: p for p in [*procs, *_below(procs)]}
+    for sig, wait_s in ((signum, STOP_TIMEOUT_S), (signal.SIGKILL, KILL_WAIT_S)):
+        for pgid in groups:
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        sent: set[int] = set()
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = [p for p in known.values() if _running(p)]
+            for p in alive:
+                if p.pid not in sent:
+                    sent.add(p.pid)
+                    try:
+                        p.send_signal(sig)
+                    except psutil.Error:
+                        pass
+            if not alive or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+            known.update((p.pid, p) for p in _below(alive) if p.pid not in known)
+        if not alive:
+            return
+
+
+def _stop_engine(engine: Engine, signum: int, job_procs: list) -> None:
+    """The stop of a job whose engine runs its ranks in a cluster (Ray, Spark; horovodrun's
+    run_command has stopped its own processes already): signum to the ranks command_worker
+    started, then the engine's shutdown, each bounded by STOP_TIMEOUT_S (a shutdown that hangs
+    gets the job's processes below the driver killed under it); then the signal, the bounded
+    wait and SIGKILL for whatever the shutdown left (a local Ray cluster, Spark's JVM)."""
+    def is_rank(p) -> bool:
+        try:
+            return p.environ().get(COMMAND_RANK_ENV) == "1"
+        except Exception:  # gone, or not readable
+            return False
+
+    stop_processes(signum, [p for p in job_procs if is_rank(p)])
+    watchdog = threading.Timer(STOP_TIMEOUT_S, stop_processes,
+                               (signal.SIGKILL, [p for p in job_procs if _running(p)]))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        engine.shutdown()
+    finally:
+        watchdog.cancel()
+        stop_processes(signum, [p for p in job_procs if _running(p)])
+
+
+def run_stoppable(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """subprocess.call(cmd, env=env), the child in a session of its own, so that a terminal's
+    Ctrl-C reaches the driver alone, which stops the child's whole tree on JobStopped (its group
+    and every descendant: horovodrun, mpirun, Gloo's per-rank sessions, the ranks)."""
+    import psutil
+
+    proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException as e:  # JobStopped; anything else must not leave the job either
+        signum = e.signum if isinstance(e, JobStopped) else signal.SIGTERM
+        try:
+            procs = [psutil.Process(proc.pid)]  # not reaped yet (a zombie at worst)
+        except psutil.NoSuchProcess:  # reaped just as the signal came
+            procs = []
+        stop_processes(signum, procs, groups=[proc.pid])
+        proc.poll()  # reap it
+        raise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -363,10 +576,7 @@ class HorovodrunEngine:
         env = dict(os.environ)
         env.update(job.env)
         warn_shared_hostnames(self.hosts, self.extra_args)
-        try:
-            return subprocess.call(self.command_line(command, job), env=env)
-        except KeyboardInterrupt:
-            return 130
+        return run_stoppable(self.command_line(command, job), env=env)
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any], job: Job) -> list[Any]:
         import horovod.runner

@@ -109,7 +109,7 @@ def test_run_hands_policy_log_dir_and_cpu_defaults_to_horovodrun(monkeypatch, tm
         return 3
 
     monkeypatch.setattr(cli, "_horovodrun", lambda: "/x/horovodrun")
-    monkeypatch.setattr(cli.subprocess, "call", fake_call)
+    monkeypatch.setattr(cli.engines, "run_stoppable", fake_call)
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "0.5")  # the user's own setting wins
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     code = cli.main(["run", "-np", "3", "--mpi", "--policy", "sqrt", "--log-dir", str(tmp_path / "l"),

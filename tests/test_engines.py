@@ -207,7 +207,7 @@ def test_cli_hands_ray_and_spark_options_to_their_engines(toy_engines, tmp_path,
 def test_cli_defaults_to_horovodrun_and_passes_elastic_bounds(monkeypatch):
     seen = {}
     monkeypatch.setattr(cli, "_horovodrun", lambda: "/x/horovodrun")
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: seen.setdefault("cmd", cmd) and 0)
+    monkeypatch.setattr(engines, "run_stoppable", lambda cmd, env: seen.setdefault("cmd", cmd) and 0)
     assert cli.main(["run", "--min-np", "1", "--max-np", "2", "--host-discovery-script", "d.sh",
                      "--", "python", "t.py"]) == 0
     assert seen["cmd"] == ["/x/horovodrun", "--min-np", "1", "--max-np", "2",
