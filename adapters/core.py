@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -51,7 +51,11 @@ class Scaling:
         optimizer_name: the wrapped optimizer's class name (the policy checks its theory).
         framework: recorded in run.json ("torch", "keras/tensorflow", ...).
         groups: parameter groups (one sum and one |g_bar|^2 each).
-        base_lrs: the groups' baseline lrs where they are numbers (checked > 0).
+        base_lrs: the groups' baseline lrs where they are numbers (checked finite and > 0), as a
+            sequence (named ``param_groups[i]`` in errors) or a mapping {name: lr}.
+        agreed: further values every rank must share (e.g. an lr schedule's config); with the
+            policy's spec, S, T, passes, base lrs, measure, nonfinite, groups and the guard's
+            settings they are compared across ranks in the one allgather at set-up.
         measure: take statistics although the policy does not need them; default: when the
             policy needs them or metrics are logged.
         log_dir: per-step metrics on rank 0; default ``$HVD_SCALE_LOG_DIR``, else none.
@@ -66,9 +70,10 @@ class Scaling:
 
     def __init__(self, hvd, *, policy: str | Policy | None, passes: int, scale: float | None,
                  budget: float | None, optimizer_name: str, framework: str, groups: int = 1,
-                 base_lrs: Sequence[Any] = (), measure: bool | None = None,
+                 base_lrs: Sequence[Any] | Mapping[str, Any] = (),
+                 measure: bool | None = None,
                  log_dir: str | None = None, nonfinite: str = "skip", short_steps: bool = False,
-                 guard: SharpnessGuard | None = None):
+                 guard: SharpnessGuard | None = None, agreed: Mapping[str, Any] | None = None):
         self.hvd = hvd
         if guard is not None:
             if not isinstance(guard, SharpnessGuard):
@@ -82,11 +87,23 @@ class Scaling:
         self.groups = groups
         self.short_steps = short_steps
         self.optimizer_name = optimizer_name
-        self.policy = self._agreed_policy(policy, scale, budget, base_lrs)
         log_dir = log_dir or os.environ.get(LOG_DIR_ENV) or None
-        # Decided alike on every rank: the statistics allreduce must run on all of them or none.
-        self.measure = bool(self.policy.uses_statistics or log_dir is not None
-                            if measure is None else measure)
+
+        def measured(built: Policy) -> bool:
+            return bool(built.uses_statistics or log_dir is not None if measure is None else measure)
+
+        base_lrs = dict(base_lrs) if isinstance(base_lrs, Mapping) else \
+            {f"param_groups[{i}]": lr for i, lr in enumerate(base_lrs)}
+        guard_settings = None if guard is None else {
+            "every": guard.every, "iterations": guard.iterations, "tol": guard.tol,
+            "margin": guard.margin}
+        self.policy = self._agreed_policy(policy, scale, budget, base_lrs, lambda built: {
+            "backward_passes_per_step": self.passes, "lr": base_lrs, "parameter groups": groups,
+            "measure": measured(built), "nonfinite": nonfinite, "guard": guard_settings,
+            **(agreed or {})})
+        # Decided alike on every rank (compared above): the statistics allreduce must run on all
+        # of them or none.
+        self.measure = measured(self.policy)
         self.logger = None if log_dir is None else MetricsLogger(
             log_dir, rank=hvd.rank, budget=self.policy.budget,  # rank 0 of the moment writes
             run_info={"policy": self.policy.spec, "scale": self.policy.scale,
@@ -98,14 +115,16 @@ class Scaling:
         self._skips_in_a_row = 0
 
     # -- set-up ----------------------------------------------------------------------------------
-    def _agreed_policy(self, policy, scale, budget, base_lrs) -> Policy:
+    def _agreed_policy(self, policy, scale, budget, base_lrs: Mapping[str, Any],
+                       settings) -> Policy:
         hvd, passes = self.hvd, self.passes
 
         def build() -> Policy:
-            for i, lr in enumerate(base_lrs):
-                if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
-                    raise ValueError(f"param_groups[{i}] has lr={lr!r}: the baseline learning "
-                                     "rate must be a number > 0 (the policy multiplies it)")
+            for name, lr in base_lrs.items():
+                if not isinstance(lr, (int, float)) or isinstance(lr, bool) or \
+                        not (math.isfinite(lr) and lr > 0):
+                    raise ValueError(f"{name} has lr={lr!r}: the baseline learning rate must be "
+                                     "a finite number > 0 (the policy multiplies it)")
             micro_gradients = hvd.size() * passes
             return resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
                                   budget=budget, optimizer=self.optimizer_name,
@@ -116,7 +135,7 @@ class Scaling:
         # state (its spec checked on load) comes from rank 0 at every sync instead.
         allgather = None if hvd.size() == 1 or elastic() else \
             (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
-        return agree_across_ranks(build, allgather)
+        return agree_across_ranks(build, allgather, settings)
 
     # -- the host side of a step -------------------------------------------------------------------
     def step(self, statistics: Sequence[float] | np.ndarray | None, *, base_lr: float,
@@ -129,8 +148,10 @@ class Scaling:
         A non-finite step is skipped (weights, optimizer state, statistics and tau stay; the
         policy counts it) or raises FloatingPointError, alike on every rank: the statistics and
         the averaged gradient are the same everywhere. ``DIVERGED_AFTER`` skips in a row raise
-        FloatingPointError too: the run has diverged.
+        FloatingPointError too: the run has diverged. A ``base_lr`` that is negative or not
+        finite raises ValueError before anything is counted (``check_lrs``).
         """
+        self.check_lrs({"lr": base_lr})
         self.follow_world_size()
         if statistics is not None:
             values = np.asarray(statistics, dtype=np.float64)
@@ -142,7 +163,8 @@ class Scaling:
             self.skip()
             return 0.0
         self._skips_in_a_row = 0
-        cap = None if self.guard is None else self.guard.max_factor(base_lr)
+        # lr 0 (a warm-up that starts there) needs no cap, and has none to divide by.
+        cap = None if self.guard is None or base_lr == 0 else self.guard.max_factor(base_lr)
         if statistics is None:
             info = self.policy.step(max_factor=cap)
         else:
@@ -184,6 +206,23 @@ class Scaling:
                          framework_step=framework_step, eps_placement=eps_placement,
                          weight_decay=weight_decay)
 
+    def check_lrs(self, lrs: Mapping[str, Any]) -> None:
+        """The lrs of the step about to be taken ({name: lr}) must be finite and >= 0: set after
+        construction (by hand or by a scheduler), a negative lr would ascend the loss and nan or
+        inf would wreck the weights. The user's lrs are the same on every rank when every rank
+        runs the same code, so this raises alike on every rank. 0 is allowed: warm-ups such as
+        LambdaLR(lambda s: s / warmup) or Keras's CosineDecay(0.0, warmup_target=...) start there.
+        """
+        for name, lr in lrs.items():
+            try:
+                value = float(lr)
+            except (TypeError, ValueError):
+                value = math.nan
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"hvd_scale: {name} is {lr!r} at step {self.policy.steps + 1}: "
+                                 "the learning rate must be a finite number >= 0 (the step was "
+                                 "not applied nor counted)")
+
     def guard_due(self) -> bool:
         """The next step should measure the sharpness first (alike on every rank)."""
         return self.guard is not None and self.guard.due(self.policy.steps)
@@ -193,10 +232,13 @@ class Scaling:
         self.policy.skip()
         self._skips_in_a_row += 1
         if self._skips_in_a_row >= DIVERGED_AFTER:
+            # Say what was skipped and what was applied last; no lr when nothing was applied.
+            last = "no step has been applied since the optimizer was built" \
+                if math.isnan(self.last_lr) else f"the last step applied had lr {self.last_lr:g}"
             raise FloatingPointError(
                 f"hvd_scale: {self._skips_in_a_row} steps in a row had non-finite gradients and "
-                f"were skipped (the latest before step {self.policy.steps + 1}, tau "
-                f"{self.policy.progress:g}, lr {self.last_lr:g}): training has diverged")
+                f"were skipped without applying anything (all at step {self.policy.steps + 1}, "
+                f"tau {self.policy.progress:g}; {last}): training has diverged")
 
     def follow_world_size(self) -> None:
         """Horovod elastic changed the number of workers: S changes in proportion (a scale given
@@ -226,6 +268,11 @@ class Scaling:
         policy is not touched, so a bad checkpoint changes nothing)."""
         policy = make_policy(self.policy.spec, scale=self.policy.scale, budget=self.policy.budget)
         policy.load_state_dict(state)
+        # The policy only compares with estimates it already has (none before the first step).
+        saved = policy.estimator.state.sigma2_biased
+        if saved is not None and saved.size != self.groups:
+            raise ValueError(f"checkpoint has statistics for {saved.size} parameter group(s), "
+                             f"this optimizer has {self.groups}")
         return policy
 
     def broadcast(self, root_rank: int = 0) -> None:

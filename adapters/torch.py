@@ -52,6 +52,44 @@ SHARPNESS_NAME = "hvd_scale.sharpness"
 BUCKET_TENSORS = 16
 BUCKET_ELEMENTS = 1 << 18
 _HALF = (torch.float16, torch.bfloat16)
+# The statistics travel in the gradients' dtype, so that Horovod fuses them into the gradients'
+# allreduce (it fuses one dtype only; a float64 tensor beside float32 gradients would be an
+# allreduce of its own every step). In float32 a sum of squared norms overflows from 3.4e38 on
+# (|g| ~ 1.8e19), which finite gradients can reach: each sum also travels times 2^-200, which
+# holds sums up to 5e98 (no finite float32 gradient's squared norm comes near) and is far above
+# float32's smallest normal number wherever the plain sum overflowed. The receiver takes the
+# plain sum where it is finite (``_summed``). One float per group more in a fused buffer.
+_WIDE = 2.0 ** -200
+
+
+def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """|t| of each tensor as a float64 0-d tensor, which no finite tensor overflows (a float32
+    sum of squares does from |t| ~ 1.8e19 on, and would call a finite step non-finite).
+
+    On a GPU one fused kernel reads the tensors as they are and accumulates in float64 (no
+    copy). On the CPU torch's float64 norm copies each tensor to float64 first (about 4x the
+    time), so there the norm is taken in the tensor's own precision (half in float32) and taken
+    again in float64 only where it came out non-finite: a host check, free on the CPU.
+    """
+    if not tensors:
+        return []
+    fused = len({t.dtype for t in tensors}) == 1 and not any(t.is_sparse for t in tensors)
+    if tensors[0].device.type != "cpu":
+        if fused:
+            return list(torch._foreach_norm(tensors, 2, dtype=torch.float64))
+        return [torch._foreach_norm([t], 2, dtype=torch.float64)[0] if not t.is_sparse
+                else torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+
+    def own(ts):  # half widened inside the kernel
+        return torch._foreach_norm(ts, 2, dtype=torch.float32 if ts[0].dtype in _HALF else None)
+
+    out = list(own(tensors)) if fused else [own([t])[0] if not t.is_sparse
+                                            else torch.linalg.vector_norm(t) for t in tensors]
+    out = [n.double() for n in out]
+    if not bool(torch.stack(out).isfinite().all()):
+        out = [n if n.isfinite() else torch.linalg.vector_norm(t, dtype=torch.float64)
+               for n, t in zip(out, tensors)]
+    return out
 
 
 class DistributedOptimizer(Readout, torch.optim.Optimizer):
@@ -131,7 +169,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
         self._norms: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
         float64 = any(p.dtype == torch.float64 for p in self._params())
-        self._stats_dtype = torch.float64 if float64 else torch.float32
+        self._stats_dtype = torch.float64 if float64 else torch.float32  # on the wire
         self._pending: torch.Tensor | None = None  # this step's [sums, count, q] after synchronize
         self._stats_handle = None  # the statistics allreduce in flight
         self._synchronized = False
@@ -171,6 +209,11 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._params() if p.grad is not None]
+
+    @property
+    def _device(self) -> torch.device:
+        """Where the statistics are made: the gradients' device."""
+        return next(self._params()).device
 
     def _reset_counts(self) -> None:
         self._fired = [0] * len(self._fired)
@@ -239,16 +282,14 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         return result
 
     def _grad_norms(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """|p.grad| of each parameter, 0-d tensors of the statistics' dtype: one fused kernel when
-        the gradients allow it (dense, that dtype); adascale_adam's preconditioned gradients one
-        at a time (one alive at a time, not the whole model's)."""
+        """|p.grad| of each parameter, float64 0-d tensors (``norms``): one fused kernel when the
+        gradients allow it (dense, one dtype); adascale_adam's preconditioned gradients one at a
+        time (one alive at a time, not the whole model's)."""
         grads = [p.grad for p in params]
         if self.policy.statistics == "preconditioned":
             return [self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
                     for p, g in zip(params, grads)]
-        if all(g.dtype == self._stats_dtype and not g.is_sparse for g in grads):
-            return list(torch._foreach_norm(grads))
-        return [self._norm(g) for g in grads]
+        return norms(grads)
 
     def _take_norms(self, params: list[torch.Tensor]) -> None:
         norms = self._grad_norms(params)
@@ -259,27 +300,33 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 self._norms[self._group_of[p]].append(n)
 
     def start_statistics(self):
-        """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op
-        and pre/postscale factors): Horovod fuses only tensors that agree on these, so the
+        """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op,
+        pre/postscale factors and dtype): Horovod fuses only tensors that agree on these, so the
         statistics join the gradients' allreduce instead of being a collective of their own.
-        ``_summed`` turns the result into the sum."""
-        return hvd.allreduce_async_(self.local_statistics(), op=self._op, name=STATS_NAME,
+        In the gradients' dtype the sums travel twice (``_WIDE``); ``_summed`` turns the result
+        into the float64 sum."""
+        s = self.local_statistics()
+        groups = len(self.param_groups)
+        wire = torch.cat([s[:groups], s[:groups] * _WIDE, s[groups:]]).to(self._stats_dtype)
+        return hvd.allreduce_async_(wire, op=self._op, name=STATS_NAME,
                                     prescale_factor=self._factors[0], postscale_factor=self._factors[1],
                                     process_set=self._process_set)
 
     def _summed(self, reduced: torch.Tensor) -> torch.Tensor:
-        """[s..., c] summed over workers from what ``start_statistics`` reduced (in place)."""
+        """[s..., c] summed over workers, float64, from what ``start_statistics`` reduced."""
+        groups = len(self.param_groups)
+        reduced = reduced.double()
         if self._op == hvd.Average:
             reduced.mul_(self.scaling.hvd.size())
-        count = reduced[len(self.param_groups):len(self.param_groups) + 1]
-        count.round_()  # a count of micro-batches, exact again after the average's rounding
-        return reduced
+        plain, wide, count = reduced[:groups], reduced[groups:2 * groups], reduced[2 * groups:]
+        # The sums as they are wherever they fit the wire's dtype; else the scaled-down copy.
+        sums = torch.where(plain.isfinite(), plain, wide / _WIDE)
+        # A count of micro-batches, exact again after the average's rounding.
+        return torch.cat([sums, count.round()])
 
     def _norm(self, g: torch.Tensor) -> torch.Tensor:
-        """|g| as a 0-d tensor of the statistics' dtype. Half precision is widened inside the
-        norm (no copy of g); only the 0-d result is ever converted."""
-        n = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in _HALF else None)
-        return n if n.dtype == self._stats_dtype else n.to(self._stats_dtype)
+        """|g| as a float64 0-d tensor (``norms``)."""
+        return norms([g])[0]
 
     def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
         """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
@@ -293,26 +340,28 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         return torch.div(grad, denom, out=denom)  # in denom's buffer: one temporary, not two
 
     def local_statistics(self) -> torch.Tensor:
-        """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), in the gradients' dtype
-        (float32 for float32/16 models) so that Horovod fuses it with the gradient traffic.
-        c is the passes this worker actually took (a short step takes fewer than k)."""
-        dt = self._stats_dtype
-        sums = [torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dt)
-                for norms in self._norms]
-        for norms in self._norms:
-            norms.clear()
+        """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), float64: squares of the
+        float64 norms, which no finite gradient overflows. c is the passes this worker actually
+        took (a short step takes fewer than k)."""
+        device = self._device
+        sums = [torch.stack(group_norms).square().sum() if group_norms
+                else torch.zeros((), dtype=torch.float64, device=device)
+                for group_norms in self._norms]
+        for group_norms in self._norms:
+            group_norms.clear()
         passes = min(1, self._fired_total) if self._bucketed else max(self._fired, default=0)
-        count = torch.tensor(float(passes), dtype=dt)
+        count = torch.tensor(float(passes), dtype=torch.float64, device=device)
         self._reset_counts()
         return torch.stack(sums + [count])
 
     def mean_sqnorms(self) -> torch.Tensor:
-        """|g_bar|^2 per group from the mean micro-gradient that p.grad holds after synchronize."""
+        """|g_bar|^2 per group (float64) from the mean micro-gradient that p.grad holds after
+        synchronize."""
         out = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             out.append(torch.stack(self._grad_norms(params)).square().sum() if params
-                       else torch.zeros((), dtype=self._stats_dtype))
+                       else torch.zeros((), dtype=torch.float64, device=self._device))
         return torch.stack(out)
 
     def _to_mean_gradient(self, count: torch.Tensor | None) -> None:
@@ -394,13 +443,21 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         """Synchronize, let the policy account the step, and apply it with lr x factor.
 
         A step whose gradients are not finite is skipped on every rank: weights, optimizer state,
-        statistics and progress stay as they were (``policy.skipped`` counts it).
+        statistics and progress stay as they were (``policy.skipped`` counts it). A group's lr
+        that has become negative or not finite raises ValueError naming the group, with nothing
+        applied or counted (``Scaling.check_lrs``).
         ``guard_loss``: with a ``guard``, a function returning this worker's loss on its current
         batch (a fresh forward pass; no backward), called on the guard's steps only.
         """
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
         self._synchronized = False
+        try:  # after the collectives of the step (alike on every rank), before anything counts
+            self.scaling.check_lrs({f"param_groups[{i}]['lr']": group["lr"]
+                                    for i, group in enumerate(self.param_groups)})
+        except ValueError:
+            self._pending = None  # the step is dropped: not applied, not counted as skipped
+            raise
         if self.scaling.guard_due():
             self._measure_sharpness(guard_loss)
         stats, self._pending = self._pending, None
@@ -449,8 +506,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             guard.update(mean, step, optimizer=self.optimizer_name, **limits)  # and measured again
 
     def _grads_finite(self) -> bool:
-        grads = self._grads()
-        return not grads or bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
+        grads = self._grads()  # float64 norms: a large finite gradient is not called non-finite
+        return not grads or bool(torch.stack(norms(grads)).isfinite().all())
 
     def apply_step(self, lr_factor: float, closure=None):
         """The inner step with every group's lr x lr_factor (and, for adascale_adam, the step's
@@ -502,7 +559,13 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore both parts; everything is validated before anything changes."""
+        """Restore both parts; everything is validated before anything changes (here and in
+        ``state_dict``): the groups and their parameters' count, each parameter's state tensors
+        against its shape (``_check_inner_state``), the policy part (spec, version, groups).
+
+        Load on every rank, or on rank 0 followed by ``broadcast_state`` on every rank: a rank
+        that did not load keeps its own steps, tau and estimates, and the ranks then train with
+        different lrs (not detected: no step compares the policy states across ranks)."""
         if not isinstance(state_dict, dict) or not {"inner", "hvd_scale"} <= set(state_dict) \
                 or not set(state_dict) <= {"inner", "hvd_scale", "guard"}:
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -512,6 +575,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         if len(inner_groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(inner_groups)} parameter group(s), this "
                              f"optimizer has {len(self.param_groups)}")
+        self._check_inner_state(state_dict["inner"])
         policy = self.scaling.loaded_policy(state_dict["hvd_scale"])
         guard = self.scaling.guard
         if guard is not None and state_dict.get("guard") is not None:
@@ -531,6 +595,33 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         for norms in self._norms:
             norms.clear()
         self._bucket, self._bucket_elements = [], 0
+
+    def _check_inner_state(self, inner: dict) -> None:
+        """The inner optimizer's checkpoint must be of this model: torch loads state tensors of
+        any shape and fails inside the first step (on the ranks that loaded it). Every group
+        holds as many parameters, and every non-scalar state tensor has its parameter's shape,
+        or one that broadcasts to it (factored states: Adafactor's row and column variances), or
+        is one flat vector over all parameters (LBFGS's)."""
+        params = list(self._params())
+        total = sum(p.numel() for p in params)
+        state = inner.get("state", {})
+        for i, (saved, group) in enumerate(zip(inner["param_groups"], self.param_groups)):
+            ids = saved.get("params", ())
+            if len(ids) != len(group["params"]):
+                raise ValueError(f"checkpoint's param_groups[{i}] has {len(ids)} parameter(s), "
+                                 f"this optimizer's has {len(group['params'])}: the checkpoint "
+                                 "is of another model")
+            for j, (key, p) in enumerate(zip(ids, group["params"])):
+                for name, value in state.get(key, {}).items():
+                    if not torch.is_tensor(value) or value.dim() == 0:
+                        continue  # step counts and other scalars
+                    fits = value.dim() == p.dim() and all(
+                        a in (1, b) for a, b in zip(value.shape, p.shape))
+                    if not (fits or (value.dim() == 1 and value.numel() == total)):
+                        raise ValueError(
+                            f"checkpoint's state of param_groups[{i}] parameter {j} has "
+                            f"{name!r} of shape {tuple(value.shape)}, this optimizer's parameter "
+                            f"has shape {tuple(p.shape)}: the checkpoint is of another model")
 
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"

@@ -166,11 +166,27 @@ def make_policy(spec: str | None = None, *, scale: float, budget: float | None =
     return policy
 
 
+def check_budget(budget: Any) -> float | None:
+    """T, the baseline steps to train for: None, or a finite number > 0 (0 or less would train
+    nothing, nan or inf never end)."""
+    if budget is None:
+        return None
+    try:
+        value = None if isinstance(budget, bool) else float(budget)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"budget must be a finite number > 0 (baseline steps to train for), "
+                         f"got {budget!r}")
+    return value
+
+
 def resolve_policy(policy: "str | Policy | None", *, scale: float, budget: float | None = None,
                    optimizer: str | None = None, micro_gradients: int | None = None) -> "Policy":
     """What an adapter builds its policy with: a spec (or None: the environment) or a ``Policy``
     (rescaled to ``scale``); checks the optimizer, and that the variance is measurable
     (``micro_gradients`` per step, over all workers)."""
+    check_budget(budget)  # also where a given Policy keeps its own
     if isinstance(policy, Policy):
         if optimizer is not None:
             policy.check_optimizer(optimizer)
@@ -187,10 +203,15 @@ def resolve_policy(policy: "str | Policy | None", *, scale: float, budget: float
 
 
 def agree_across_ranks(build: "Callable[[], Policy]",
-                       allgather: "Callable[[Any], list] | None") -> "Policy":
-    """Build the policy on every rank and check, with one ``allgather`` of (spec, error), that all
-    ranks succeeded with the same spec: a bad or differing spec then raises the same ValueError on
-    every rank instead of one rank failing while the others wait in a collective.
+                       allgather: "Callable[[Any], list] | None",
+                       settings: "Callable[[Policy], Mapping[str, Any]] | None" = None) -> "Policy":
+    """Build the policy on every rank and check, with one ``allgather`` of (values, error), that
+    all ranks succeeded with the same values: a bad or differing set-up then raises the same
+    ValueError on every rank (naming each rank's value) instead of one rank failing while the
+    others wait in a collective, or the replicas training apart.
+
+    Compared: the policy's spec (name and options), scale S and budget T, and what
+    ``settings(policy)`` adds (an adapter's passes, base lrs, ...: comparable, picklable values).
     ``allgather=None``: a single process."""
     built, error = None, None
     try:
@@ -201,6 +222,28 @@ def agree_across_ranks(build: "Callable[[], Policy]",
         if error:
             raise ValueError(error)
         return built
+    values = None if built is None else {"policy": built.spec, "scale": built.scale,
+                                         "budget": built.budget,
+                                         **(settings(built) if settings else {})}
+    seen = allgather((values, error))  # the one collective: everything travels in it
+    errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(seen) if err]
+    if errors:
+        raise ValueError("hvd_scale: bad policy set-up; " + "; ".join(errors))
+    per_rank = [v for v, _ in seen]
+    differ = {key: {rank: v.get(key) for rank, v in enumerate(per_rank)}
+              for key in per_rank[0] if any(v.get(key) != per_rank[0][key] for v in per_rank)}
+    if differ:
+        problems = []
+        if "policy" in differ:
+            problems.append(f"the ranks run different policies {differ.pop('policy')}: give "
+                            "every worker the same policy (--policy / HVD_SCALE_POLICY)")
+        if differ:
+            problems.append("the ranks were given different " + "; ".join(
+                f"{key} {by_rank}" for key, by_rank in differ.items()) + ": every worker must "
+                "build its optimizer with the same values (they set the lr of every step, and "
+                "which collectives it runs)")
+        raise ValueError("hvd_scale: " + "; ".join(problems))
+    return built
     seen = allgather((None if built is None else built.spec, error))
     errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(seen) if err]
     if errors:
@@ -235,7 +278,7 @@ class Policy:
                 raise ValueError(f"policy {self.name!r} needs its {option}: {usage}")
         self._options = options
         self._smoothing = smoothing
-        self.budget = None if budget is None else float(budget)
+        self.budget = check_budget(budget)
         self.estimator = GainEstimator(scale, smoothing=smoothing)
         self.steps = 0
         self.progress = 0.0
@@ -303,7 +346,7 @@ class Policy:
 
     def done(self, budget: float | None = None) -> bool:
         """True once tau has reached the budget T (baseline steps)."""
-        budget = self.budget if budget is None else budget
+        budget = self.budget if budget is None else check_budget(budget)
         if budget is None:
             raise ValueError("done() needs a budget in baseline steps (none was given to the policy)")
         return self.progress >= budget

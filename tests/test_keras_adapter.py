@@ -231,6 +231,51 @@ def test_bad_arguments_error_on_every_rank(results):
 
 
 @pytest.mark.timeout(480)
+def test_set_up_values_differing_between_ranks_and_budget_bounds(results):
+    """Issue #22, 1 and 4: a scale or lr that differs between ranks, and budget=0, were accepted
+    (at 8d9feec: built without a word on both ranks)."""
+    r0, r1 = both_ranks(results, "hardening")
+    for key, named in (("differ_scale", "scale {0: 2.0, 1: 4.0}"),
+                       ("differ_lr", "lr {0: {'learning_rate': 0.05}, 1: {'learning_rate': 0.1}}"),
+                       ("budget_zero", "budget must be a finite number > 0")):
+        assert r0[key] == r1[key] and r0[key].startswith("ValueError: ") and named in r0[key], r0[key]
+    assert r0["alive"] == r1["alive"] == NP
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_an_lr_turned_bad_is_refused_before_anything_counts(results, mode):
+    """Issue #22, 4: an lr set negative or nan after construction was applied (at 8d9feec: the
+    weights moved uphill, then went nan). Now refused on every rank, eagerly and in a traced
+    step; nothing applied or counted; the next step runs."""
+    r0, r1 = both_ranks(results, "hardening")
+    assert r0[f"bad_lr_{mode}"]["hash"] == r1[f"bad_lr_{mode}"]["hash"]
+    for r in (r0, r1):
+        rows = r[f"bad_lr_{mode}"]["rows"]
+        assert rows[0]["error"] is None and rows[0]["moved"] > 0
+        for row, shown in zip(rows[1:3], ("-0.05", "nan")):
+            assert f"hvd_scale: lr is {shown} at step 2" in row["error"], row["error"][:300]
+            assert row["moved"] == 0.0
+            assert [row[k] for k in ("progress", "steps", "skipped", "iterations")] == \
+                [rows[0][k] for k in ("progress", "steps", "skipped", "iterations")]
+        assert rows[3]["error"] is None and rows[3]["steps"] == 2 and rows[3]["moved"] > 0
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("policy", ["adascale", "none"])
+def test_large_finite_float32_gradients_are_applied(results, policy):
+    """Issue #22, 5: |g| ~ 1e21 in float32 (squares overflow above ~1.8e19) was skipped as
+    non-finite, measured or not (at 8d9feec: skipped 1, nothing moved)."""
+    for r in both_ranks(results, "hardening"):
+        row = r["large_gradients"][policy]
+        assert row["grad_norm"] > 1e20 and row["error"] is None
+        assert row["skipped"] == 0 and row["steps"] == 1 and row["progress"] > 0, row
+        assert row["moved"] > 0 and row["finite"], row
+        if policy == "adascale":
+            assert math.isfinite(row["sigma2"]) and row["sigma2"] > 1e38
+
+
+@pytest.mark.timeout(480)
 def test_resume_at_another_world_size_same_scale(results):
     """np 2 x 1 pass -> tf.train.Checkpoint -> np 1 x 2 passes (S = 2 both): the same run."""
     full, _ = both_ranks(results, "save_for_resize")

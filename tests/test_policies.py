@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -337,6 +338,18 @@ def test_done_without_budget_raises():
         make_policy("linear", scale=4).done()
 
 
+@pytest.mark.parametrize("budget", [0, -5, math.nan, math.inf, "many", True])
+def test_budget_must_be_finite_and_positive(budget):
+    """Issue #22, 4: budget 0 or less trained nothing and exited 0; nan never finished."""
+    with pytest.raises(ValueError, match=rf"budget must be a finite number > 0 .*got {re.escape(repr(budget))}"):
+        make_policy("linear", scale=4, budget=budget)
+    with pytest.raises(ValueError, match="budget must be a finite number > 0"):
+        make_policy("linear", scale=4).done(budget)
+    with pytest.raises(ValueError, match="budget must be a finite number > 0"):
+        hvd_scale.policies.resolve_policy(make_policy("linear", scale=4), scale=4, budget=budget)
+    assert make_policy("linear", scale=4, budget=2.5).budget == 2.5
+
+
 def test_adascale_rejects_adam_and_names_the_alternative():
     with pytest.raises(ValueError, match=r"'Adam'.*adascale_adam"):
         make_policy("adascale", scale=4, optimizer="Adam")
@@ -556,13 +569,16 @@ def test_resolve_policy_rescales_a_given_policy():
     assert policy.factor() == 8
 
 
-def _fake_allgather(specs):
-    """Simulate every rank's build: rank r builds specs[r]; we play rank 0."""
+def _fake_allgather(specs, scales=None, budgets=None):
+    """Simulate every rank's build: rank r builds specs[r] (at scales[r], budgets[r]); we play
+    rank 0."""
     def builds():
         out = []
-        for spec in specs:
+        for r, spec in enumerate(specs):
             try:
-                out.append((hvd_scale.make_policy(spec, scale=2).spec, None))
+                p = hvd_scale.make_policy(spec, scale=scales[r] if scales else 2,
+                                          budget=budgets[r] if budgets else None)
+                out.append(({"policy": p.spec, "scale": p.scale, "budget": p.budget}, None))
             except ValueError as e:
                 out.append((None, f"ValueError: {e}"))
         return out
@@ -587,6 +603,30 @@ def test_agree_across_ranks_reports_another_ranks_error():
     with pytest.raises(ValueError, match="rank 1: ValueError: unknown policy 'sqtr'"):
         hvd_scale.policies.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
                                               _fake_allgather(["sqrt", "sqtr"]))
+
+
+@pytest.mark.parametrize("scales, budgets, named", [
+    ([2, 4], None, "scale {0: 2.0, 1: 4.0}"),
+    ([2, 2], [100, 200], "budget {0: 100.0, 1: 200.0}"),
+])
+def test_agree_across_ranks_reports_differing_scale_or_budget_per_rank(scales, budgets, named):
+    """Issue #22, 1: a scale (or budget) that differs between ranks trained apart silently."""
+    with pytest.raises(ValueError, match="different") as e:
+        hvd_scale.policies.agree_across_ranks(
+            lambda: hvd_scale.make_policy("sqrt", scale=scales[0],
+                                          budget=budgets[0] if budgets else None),
+            _fake_allgather(["sqrt", "sqrt"], scales, budgets))
+    assert named in str(e.value)
+
+
+def test_agree_across_ranks_compares_the_adapters_settings():
+    gathered = [({"policy": "sqrt", "scale": 2.0, "budget": None, "backward_passes_per_step": k,
+                  "lr": {"param_groups[0]": lr}}, None) for k, lr in ((1, 0.1), (2, 0.1))]
+    with pytest.raises(ValueError, match=r"backward_passes_per_step \{0: 1, 1: 2\}") as e:
+        hvd_scale.policies.agree_across_ranks(
+            lambda: hvd_scale.make_policy("sqrt", scale=2), lambda mine: gathered,
+            lambda built: {"backward_passes_per_step": 1, "lr": {"param_groups[0]": 0.1}})
+    assert "lr {" not in str(e.value)  # the lrs agree: only what differs is named
 
 
 def test_agree_across_ranks_single_process_raises_its_own_error():

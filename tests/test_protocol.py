@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -200,3 +202,158 @@ def test_the_shared_half_imports_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- Issue #22: what every rank must agree on, bounds, divergence, checkpoints ------------------
+
+class ThreadRanks:
+    """A HorovodBinding for n ranks played by n threads of one process: ``allgather_object``
+    meets at a barrier (each wait times out, so a rank left alone fails instead of hanging)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._barrier = threading.Barrier(n)
+        self._slots: list = [None] * n
+        self._local = threading.local()
+
+    def size(self):
+        return self.n
+
+    def rank(self):
+        return self._local.rank
+
+    def allgather_object(self, obj, name=None):
+        self._slots[self.rank()] = obj
+        self._barrier.wait(timeout=30)
+        gathered = list(self._slots)
+        self._barrier.wait(timeout=30)  # nobody overwrites a slot before every rank has read
+        return gathered
+
+    def broadcast_object(self, obj, root_rank=0, name=None):
+        raise AssertionError("not used at set-up")
+
+
+def build_on_ranks(per_rank: list[dict], binding=ThreadRanks, **common):
+    """Scaling(...) on every rank (a thread each) with that rank's keywords: [Scaling or error]."""
+    hvd, out = binding(len(per_rank)), [None] * len(per_rank)
+
+    def run(rank):
+        hvd._local.rank = rank
+        kw = {"policy": "adascale", "passes": 1, "scale": None, "budget": None,
+              "optimizer_name": "SGD", "framework": "toy", **common, **per_rank[rank]}
+        try:
+            out[rank] = Scaling(hvd, **kw)
+        except Exception as e:  # noqa: BLE001 - reported per rank
+            out[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(per_rank))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+@pytest.mark.parametrize("key, values, named", [
+    ("scale", (2.0, 4.0), "scale {0: 2.0, 1: 4.0}"),
+    ("budget", (100, 200), "budget {0: 100.0, 1: 200.0}"),
+    ("passes", (1, 2), "backward_passes_per_step {0: 1, 1: 2}"),
+    ("base_lrs", ([0.1], [0.2]), "lr {0: {'param_groups[0]': 0.1}, 1: {'param_groups[0]': 0.2}}"),
+    ("nonfinite", ("skip", "raise"), "nonfinite {0: 'skip', 1: 'raise'}"),
+    ("measure", (None, False), "measure {0: True, 1: False}"),
+])
+def test_ranks_given_different_settings_fail_alike_naming_each_ranks_value(key, values, named):
+    """Issue #22, 1: scale=2 on rank 0 and 4 on rank 1 trained with different lr factors (the
+    replicas drifting apart), a budget per rank ended in 'Horovod has been shut down'. Now one
+    allgather at set-up compares them: the same ValueError on every rank."""
+    results = build_on_ranks([{key: v} for v in values])
+    for result in results:
+        assert isinstance(result, ValueError), result
+        assert "the ranks were given different" in str(result) and named in str(result), result
+    assert str(results[0]) == str(results[1])
+    # The same values everywhere: built, in one allgather.
+    same = build_on_ranks([{key: values[0]}, {key: values[0]}])
+    assert all(isinstance(r, Scaling) for r in same), same
+
+
+def test_differing_settings_cost_one_allgather():
+    calls = []
+
+    class Counting(ThreadRanks):
+        def allgather_object(self, obj, name=None):
+            calls.append(name)
+            return super().allgather_object(obj, name)
+
+    results = build_on_ranks([{}, {}], binding=Counting, policy="linear", budget=10,
+                             base_lrs=[0.1, 0.2])
+    assert all(isinstance(r, Scaling) for r in results), results
+    assert calls == ["hvd_scale.spec"] * 2  # one allgather on each of the 2 ranks
+
+
+@pytest.mark.parametrize("budget", [0, -1, math.nan, math.inf])
+def test_budget_out_of_bounds_is_refused(budget):
+    """Issue #22, 4: budget=0 or negative trained nothing and exited 0; nan never finished."""
+    with pytest.raises(ValueError, match=r"budget must be a finite number > 0 .*got"):
+        Scaling(OneProcess(), policy="linear", passes=1, scale=None, budget=budget,
+                optimizer_name="SGD", framework="toy")
+
+
+@pytest.mark.parametrize("lr", [math.inf, math.nan, -0.1])
+def test_base_lr_must_be_finite_and_positive(lr):
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has lr=.*finite number > 0"):
+        Scaling(OneProcess(), policy="linear", passes=1, scale=None, budget=None,
+                optimizer_name="SGD", framework="toy", base_lrs=[lr])
+
+
+@pytest.mark.parametrize("lr", [-0.1, math.nan, math.inf])
+def test_an_lr_turned_bad_after_construction_is_refused_before_anything_counts(lr):
+    """Issue #22, 4: an lr set negative or nan after construction was applied."""
+    opt = ToyOptimizer(np.zeros(3), passes=2)
+    xs, ys = batches(0, 2)
+    for x, y in zip(xs, ys):
+        opt.backward(x, y)
+    stats = np.concatenate([opt.start_statistics(), opt.mean_sqnorms()])
+    with pytest.raises(ValueError, match=rf"lr is {re.escape(repr(lr))} at step 1: the learning "
+                                         r"rate must be a finite number >= 0"):
+        opt.scaling.step(stats, base_lr=lr)
+    policy = opt.scaling.policy
+    assert (policy.steps, policy.skipped, policy.progress) == (0, 0, 0.0)
+    assert math.isnan(opt.scaling.last_lr)
+    # lr 0 (a warm-up starting there) is a step like any other, also under a guard.
+    from hvd_scale.guard import SharpnessGuard
+    guarded = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
+                      optimizer_name="SGD", framework="toy", guard=SharpnessGuard())
+    guarded.guard.update(10.0, 0)
+    assert guarded.step(stats, base_lr=0.0) >= 1.0 and guarded.last_lr == 0.0
+
+
+def test_the_divergence_error_says_nothing_was_applied():
+    """Issue #22, 5: 100 skips from the first step ended in '... lr nan): training has
+    diverged' although no step was taken."""
+    from hvd_scale.adapters.core import DIVERGED_AFTER
+
+    scaling = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
+                      optimizer_name="SGD", framework="toy")
+    bad = [math.inf, 2.0, 1.0]
+    for _ in range(DIVERGED_AFTER - 1):
+        assert scaling.step(bad, base_lr=LR) == 0.0
+    with pytest.raises(FloatingPointError) as e:
+        scaling.step(bad, base_lr=LR)
+    message = str(e.value)
+    assert "nan" not in message and "no step has been applied since the optimizer was built" in message
+    assert f"{DIVERGED_AFTER} steps in a row had non-finite gradients" in message
+
+
+def test_a_checkpoint_with_statistics_for_other_groups_is_refused_by_a_fresh_optimizer():
+    """Issue #22, 6: the policy part is checked against this optimizer's groups even before it
+    has statistics of its own (a fresh optimizer, the usual resume)."""
+    two = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
+                  optimizer_name="SGD", framework="toy", groups=2)
+    two.step([1.0, 2.0, 2.0, 0.5, 0.5], base_lr=LR)
+    fresh = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
+                    optimizer_name="SGD", framework="toy", groups=1)
+    before = fresh.policy.state_dict()
+    with pytest.raises(ValueError, match=r"statistics for 2 parameter group\(s\), this optimizer has 1"):
+        fresh.loaded_policy(two.policy.state_dict())
+    assert fresh.policy.state_dict() == before

@@ -193,6 +193,90 @@ def test_adam_moment_horizons_follow_the_gain(results, kind):
 
 
 @pytest.mark.timeout(300)
+def test_set_up_values_differing_between_ranks_fail_on_every_rank(results):
+    """Issue #22, 1: scale=2 on rank 0 and 4 on rank 1 trained with different lr factors (at
+    8d9feec: built without a word); a budget per rank ended in 'Horovod has been shut down'."""
+    r0, r1 = both_ranks(results, "hardening")
+    for key, named in (("differ_scale", "scale {0: 2.0, 1: 4.0}"),
+                       ("differ_budget", "budget {0: 100.0, 1: 200.0}")):
+        assert r0[key] == r1[key] and r0[key].startswith("ValueError: "), r0[key]
+        assert named in r0[key] and "same values" in r0[key]
+    assert r0["alive"] == r1["alive"] == NP  # and the job goes on: a collective completes
+
+
+@pytest.mark.timeout(300)
+def test_budget_and_lr_bounds(results):
+    """Issue #22, 4: budget 0 or nan was accepted; an lr set negative or nan after construction
+    was applied (the weights went nan). Now: errors naming the value, on every rank; a refused
+    step is neither applied nor counted, and the next one runs in step on every rank."""
+    r0, r1 = both_ranks(results, "hardening")
+    for r in (r0, r1):
+        assert "budget must be a finite number > 0" in r["budget_zero"] and "got 0" in r["budget_zero"]
+        assert "got nan" in r["budget_nan"]
+        rows = r["bad_lr"]
+        assert rows["0"]["error"] is None and rows["0"]["moved"] > 0
+        for i, shown in (("1", "-0.05"), ("2", "nan")):
+            assert f"param_groups[1]['lr'] is {shown} at step 2" in rows[i]["error"], rows[i]
+            assert "finite number >= 0" in rows[i]["error"]
+            assert rows[i]["moved"] == 0.0
+            assert (rows[i]["steps"], rows[i]["skipped"], rows[i]["progress"]) == \
+                (rows["0"]["steps"], rows["0"]["skipped"], rows["0"]["progress"])
+        assert rows["3"]["error"] is None and rows["3"]["steps"] == 2 and rows["3"]["moved"] > 0
+        assert math.isfinite(rows["mine_sum"]) and rows["mine_sum"] == rows["weights_sum"]
+    assert r0["bad_lr"] == r1["bad_lr"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["k1", "k2", "unmeasured"])
+def test_large_finite_gradients_are_applied(results, mode):
+    """Issue #22, 5: float32 gradients with |g| ~ 1e21 (squares overflow float32 above ~1.8e19)
+    were skipped as non-finite (at 8d9feec: skipped 1, nothing moved) with one pass, two passes
+    and without measurement; now the step is applied with finite statistics."""
+    r0, r1 = both_ranks(results, "hardening")
+    for r in (r0, r1):
+        row = r["large_gradients"][mode]
+        assert row["grad_norm"] > 1e20 and row["error"] is None
+        assert row["skipped"] == 0 and row["steps"] == 1 and row["progress"] > 0, row
+        assert row["moved"] > 0 and row["finite"], row
+        if mode != "unmeasured":
+            assert math.isfinite(row["sigma2"]) and math.isfinite(row["mu2"]) and row["sigma2"] > 1e38
+    assert r0["large_gradients"][mode]["progress"] == r1["large_gradients"][mode]["progress"]
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_of_another_model_is_refused_at_load(results):
+    """Issue #22, 6: a checkpoint of another model with as many groups loaded silently and the
+    first step failed inside torch (at 8d9feec: 'The size of tensor a (32) must match the size
+    of tensor b (16)', the checkpoint's own tensors changed by it)."""
+    for r in both_ranks(results, "hardening"):
+        row = r["other_model"]
+        assert "'momentum_buffer' of shape (32, 8)" in row["load_error"], row
+        assert "parameter has shape (16, 8)" in row["load_error"] and "another model" in row["load_error"]
+        assert row["optimizer_unchanged"] and row["checkpoint_unchanged"]
+
+
+def test_norms_do_not_overflow_for_finite_float32_tensors():
+    """The adapter's norms (float64 0-d tensors) of finite float32 tensors are finite, also
+    where float32 squares overflow; non-finite tensors stay non-finite."""
+    torch = pytest.importorskip("torch")
+    from hvd_scale.adapters.torch import norms
+
+    big = torch.full((4, 3), 1e20)
+    got = norms([big, torch.tensor([3.0, 4.0]), torch.full((7,), 3e4, dtype=torch.float16)])
+    assert all(n.dtype == torch.float64 and n.dim() == 0 for n in got)
+    assert got[0].item() == pytest.approx(math.sqrt(12) * 1e20, rel=1e-6)
+    assert got[1].item() == pytest.approx(5.0) and got[2].item() == pytest.approx(math.sqrt(7) * 3e4, rel=1e-3)
+    mixed = norms([big, torch.ones(2, dtype=torch.float64)])  # one kernel per tensor
+    assert mixed[0].item() == pytest.approx(math.sqrt(12) * 1e20, rel=1e-6) and mixed[1].item() == pytest.approx(math.sqrt(2))
+    assert not norms([torch.tensor([math.inf, 1.0])])[0].isfinite()
+    assert norms([torch.tensor([math.nan])])[0].isnan()
+    assert norms([]) == []
+    # Off the CPU (here the meta device, standing in for a GPU) one kernel accumulates in float64.
+    off = norms([torch.empty(3, 4, device="meta"), torch.empty(2, device="meta", dtype=torch.half)])
+    assert [(n.dtype, n.dim()) for n in off] == [(torch.float64, 0)] * 2
+
+
+@pytest.mark.timeout(300)
 def test_misuse_errors_on_every_rank_without_hanging(results):
     for r in both_ranks(results, "misuse"):
         e = r["errors"]

@@ -69,16 +69,26 @@ class TensorFlowBackend:
 
     def sum_of_squares(self, tensors: Sequence):
         """sum_i |t_i|^2 as a float64 scalar: one fused l2_loss kernel per tensor (half types in
-        float32) and one add_n per dtype, not a square, a sum, a cast and an add per tensor."""
+        float32) and one add_n per dtype, not a square, a sum, a cast and an add per tensor.
+
+        float32 squares overflow from |t| ~ 1.8e19 on, where the tensors are still finite (a
+        finite step would be called non-finite): then, and only then (one cond on the total),
+        the sum is taken again on float64 copies, which no finite tensor overflows."""
         tf = self._tf
-        groups: dict = {}
-        for t in tensors:
-            t = t if t.dtype in (tf.float32, tf.float64) else tf.cast(t, tf.float32)
-            groups.setdefault(t.dtype, []).append(tf.nn.l2_loss(t))
-        total = tf.constant(0.0, tf.float64)
-        for losses in groups.values():
-            total += tf.cast(2 * tf.add_n(losses), tf.float64)
-        return total
+
+        def total(wide: bool):
+            groups: dict = {}
+            for t in tensors:
+                if wide or t.dtype not in (tf.float32, tf.float64):
+                    t = tf.cast(t, tf.float64 if wide else tf.float32)
+                groups.setdefault(t.dtype, []).append(tf.nn.l2_loss(t))
+            out = tf.constant(0.0, tf.float64)
+            for losses in groups.values():
+                out += tf.cast(2 * tf.add_n(losses), tf.float64)
+            return out
+
+        fast = total(False)
+        return tf.cond(tf.math.is_finite(fast), lambda: fast, lambda: total(True))
 
     def host_call(self, fn: Callable, args: Sequence, name: str):
         """fn(*numpy args) -> (float64 vector, float64 vector), as a graph op (numpy_function)."""
@@ -122,7 +132,9 @@ class TorchBackend:
         import horovod.torch as hvd
         import torch
 
-        self.hvd, self._torch = hvd, torch
+        from hvd_scale.adapters.torch import norms  # the torch adapter's overflow-free norms
+
+        self.hvd, self._torch, self._norms = hvd, torch, norms
 
     def check_context(self) -> None:
         pass
@@ -138,16 +150,16 @@ class TorchBackend:
         return list(self.hvd.grouped_allreduce(list(tensors), op=self.hvd.Average, name=name))
 
     def sum_of_squares(self, tensors: Sequence):
-        """sum_i |t_i|^2 as a float64 scalar: one fused norm kernel per dtype (half types
-        widened inside the kernel)."""
+        """sum_i |t_i|^2 as a float64 scalar: one fused norm kernel per dtype, its norms float64
+        (``hvd_scale.adapters.torch.norms``: no finite tensor overflows them, where float32
+        squares do from |t| ~ 1.8e19 on), squared and summed in float64."""
         torch = self._torch
         groups: dict = {}
         for t in tensors:
             groups.setdefault(t.dtype, []).append(t)
         total = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else None)
-        for dtype, ts in groups.items():
-            wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
-            total += torch.stack(torch._foreach_norm(ts, 2, dtype=wide)).square().sum().double()
+        for ts in groups.values():
+            total += torch.stack(self._norms(ts)).square().sum()
         return total
 
     def host_call(self, fn: Callable, args: Sequence, name: str):

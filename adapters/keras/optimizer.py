@@ -38,6 +38,11 @@ ALLREDUCE_NAME = "hvd_scale.step"
 GROUPS = 1  # all trainable variables share one lr in Keras: one parameter group
 _PROGRESS = Policy.PROGRESS_INDEX
 _STEPS = Policy.STEPS_INDEX
+# The statistics ride in the gradients' allreduce group, in their dtype (Horovod's grouped op
+# takes one dtype). A float32 sum of squared norms overflows from 3.4e38 on, which finite
+# float32 gradients reach (|g| ~ 1.8e19): the sum also travels times 2^-200, which no finite
+# float32 gradient overflows and which stays a normal float32 wherever the plain one overflowed.
+_WIDE = 2.0 ** -200
 
 # Base-optimizer arguments that belong on the inner optimizer (as in LossScaleOptimizer).
 _INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "clipvalue",
@@ -57,6 +62,17 @@ def _lr_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimiz
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     return optimizer
+
+
+def _lr_for_agreement(owner: keras.optimizers.Optimizer) -> tuple[dict, dict]:
+    """(base lrs checked > 0, further values compared across ranks) for ``core.Scaling``: a
+    number lr is both; a schedule is compared by its config; a callable is neither."""
+    lr = owner._learning_rate
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        return {}, {"learning_rate schedule": keras.saving.serialize_keras_object(lr)}
+    if isinstance(lr, keras.Variable):
+        return {"learning_rate": float(ops.convert_to_numpy(lr.value))}, {}
+    return {}, {}
 
 
 @keras.saving.register_keras_serializable(package="hvd_scale", name="DistributedOptimizer")
@@ -110,10 +126,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                              "the allreduce; use DistributedOptimizer(..., backward_passes_per_step="
                              f"{owner.gradient_accumulation_steps}) instead")
         optimizer_name = type(owner).__name__
+        base_lrs, agreed = _lr_for_agreement(owner)
         scaling = Scaling(backend.hvd, policy=policy, passes=backward_passes_per_step, scale=scale,
                           budget=budget, optimizer_name=optimizer_name,
                           framework=f"keras/{backend.name}", groups=GROUPS, measure=measure,
-                          log_dir=log_dir, nonfinite=nonfinite)
+                          log_dir=log_dir, nonfinite=nonfinite, base_lrs=base_lrs, agreed=agreed)
         if scaling.policy.statistics == "preconditioned" and \
                 not all(hasattr(owner, a) for a in _ADAM_SLOTS):
             raise ValueError(f"policy {scaling.policy.name!r} measures Adam-preconditioned "
@@ -208,11 +225,14 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
 
     def start_statistics(self, local_grads, local_sqnorm, count):
         """One grouped allreduce (op=Average) of the gradients and, when measured, [s, c] in their
-        dtype (so that it joins their group). Returns (mean gradients, [s, c] summed or None)."""
+        dtype (so that it joins their group). Returns (mean gradients, [s, c] summed or None).
+        In float32 s could overflow (from 3.4e38 on: |g| ~ 1.8e19, finite gradients): it also
+        travels times ``_WIDE`` and is taken from there where the plain sum did not fit."""
         tensors = list(local_grads)
         if self.scaling.measure:
             float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
-            tensors.append(ops.cast(self.local_statistics(local_sqnorm, count),
+            local = self.local_statistics(local_sqnorm, count)
+            tensors.append(ops.cast(ops.concatenate([local[:1], local[:1] * _WIDE, local[1:]]),
                                     "float64" if float64 else "float32"))
         reduced = self._backend.allreduce_average(tensors, ALLREDUCE_NAME)
         mean = reduced[:len(local_grads)]
@@ -220,7 +240,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             mean = [g / ops.cast(self.backward_passes_per_step, g.dtype) for g in mean]
         if not self.scaling.measure:
             return mean, None
-        return mean, ops.cast(reduced[-1], "float64") * self._backend.world_size()
+        summed = ops.cast(reduced[-1], "float64") * self._backend.world_size()
+        s = ops.where(ops.isfinite(summed[:1]), summed[:1], summed[1:2] / _WIDE)
+        return mean, ops.concatenate([s, summed[2:]])
 
     def mean_sqnorms(self, mean_grads, variables):
         """[q]: |g_bar|^2 of the averaged (mean micro-) gradient."""

@@ -370,6 +370,70 @@ def case_jit():
          progress=model.optimizer.progress)
 
 
+def _error(make):
+    """str of the exception make() raises (None when it raises none)."""
+    try:
+        make()
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def case_hardening():
+    """Issue #22, items 1, 4, 5: what the ranks must agree on, bounds on budget and lr, large
+    finite gradients (a float32 model: its statistics travel in float32)."""
+    rank = hvd.rank()
+    out = {"differ_scale": _error(lambda: DistributedOptimizer(
+               keras.optimizers.SGD(LR), policy="linear", scale=[2, 4][rank])),
+           "differ_lr": _error(lambda: DistributedOptimizer(
+               keras.optimizers.SGD([LR, 2 * LR][rank]), policy="linear")),
+           "budget_zero": _error(lambda: DistributedOptimizer(
+               keras.optimizers.SGD(LR), policy="linear", budget=0))}
+
+    # An lr made negative or nan after construction, eagerly and in a traced step: refused on
+    # every rank, nothing applied or counted; the next step runs in step on every rank.
+    for mode in ("eager", "function"):
+        model = make_model()
+        opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale")
+        broadcast_state(model, opt)
+
+        def apply(x, y):
+            opt.apply(grads_of(model, x, y), model.trainable_variables)
+
+        step_fn = tf.function(apply) if mode == "function" else apply
+        rows = []
+        for step, lr in enumerate([None, -LR, float("nan"), None]):
+            if lr is not None:
+                opt.learning_rate = lr
+            before = weights_vector(model)
+            error = _error(lambda: step_fn(*micro_batch(rank, step, 0)))
+            opt.learning_rate = LR
+            rows.append({"error": error, "moved": float(np.max(np.abs(weights_vector(model) - before))),
+                         "progress": opt.progress, "steps": opt.policy.steps,
+                         "skipped": opt.policy.skipped, "iterations": int(opt.iterations.numpy())})
+        out[f"bad_lr_{mode}"] = {"rows": rows, "hash": weights_hash(model)}
+
+    # Finite float32 gradients with |g| ~ 1e21: float32 squares overflow above ~1.8e19.
+    large = {}
+    for policy in ("adascale", "none"):
+        model = make_model(dtypes=("float32", "float32"))
+        opt = DistributedOptimizer(keras.optimizers.SGD(1e-23), policy=policy)
+        broadcast_state(model, opt)
+        x, y = micro_batch(rank, 0, 0)
+        grads = [g * 1e21 for g in grads_of(model, x.astype("float32"), y)]
+        norm = float(np.sqrt(sum(float(np.sum(np.square(np.asarray(g, np.float64)))) for g in grads)))
+        before = weights_vector(model)
+        error = _error(lambda: opt.apply(grads, model.trainable_variables))
+        after = weights_vector(model)
+        large[policy] = {"error": error, "grad_norm": norm, "skipped": opt.policy.skipped,
+                         "steps": opt.policy.steps, "progress": opt.progress,
+                         "moved": float(np.max(np.abs(after - before))),
+                         "finite": bool(np.all(np.isfinite(after))), "sigma2": opt.sigma2}
+    out["large_gradients"] = large
+    out["alive"] = float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="hardening.alive"))
+    emit("hardening", **out)
+
+
 def case_bad_policy():
     errors = {}
     attempts = {
@@ -453,6 +517,7 @@ CASES = {
     "loss_scale": case_loss_scale,
     "jit": case_jit,
     "bad_policy": case_bad_policy,
+    "hardening": case_hardening,
     "save_for_resize": case_save_for_resize,
     "resume_np1": case_resume_np1,  # single process, after save_for_resize
 }

@@ -451,6 +451,121 @@ def case_misuse():
     emit("misuse", errors=errors, unchanged=json.dumps(one.state_dict()["hvd_scale"]) == before)
 
 
+def _error(make):
+    """str of the exception make() raises (None when it raises none)."""
+    try:
+        make()
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def case_hardening():
+    """Issue #22, items 1, 4, 5, 6: what the ranks must agree on, bounds on budget and lr, large
+    finite gradients, checkpoints of another model. Each part says what every rank saw."""
+    rank = hvd.rank()
+    out = {}
+
+    def sgd(model, **kw):
+        return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                    named_parameters=model.named_parameters(), **kw)
+
+    # 1. Set-up values that differ between ranks: one error on every rank, naming each value.
+    model = make_model()
+    out["differ_scale"] = _error(lambda: sgd(model, policy="linear", scale=[2, 4][rank]))
+    out["differ_budget"] = _error(lambda: sgd(model, policy="linear", budget=[100, 200][rank]))
+    # 4. Budget bounds.
+    out["budget_zero"] = _error(lambda: sgd(model, policy="linear", budget=0))
+    out["budget_nan"] = _error(lambda: sgd(model, policy="linear", budget=float("nan")))
+
+    # 4. An lr made negative or nan after construction: refused on every rank, nothing applied
+    # or counted, and the job goes on in step (the next step's collectives match).
+    model = make_model()
+    groups = two_groups(model)
+    opt = DistributedOptimizer(torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}],
+                                               lr=LR, momentum=0.9),
+                               named_parameters=model.named_parameters(), policy="adascale")
+    bad_lr = {}
+    for step, lr in enumerate([None, -LR, float("nan"), None]):
+        opt.zero_grad()
+        loss_fn(model, *micro_batch(rank, step, 0)).backward()
+        if lr is not None:
+            opt.param_groups[1]["lr"] = lr
+        before = params_vector(model).clone()
+        error = _error(opt.step)
+        opt.param_groups[1]["lr"] = LR
+        bad_lr[str(step)] = {"error": error, "moved": float((params_vector(model) - before).abs().max()),
+                             "steps": opt.policy.steps, "skipped": opt.policy.skipped,
+                             "progress": opt.progress}
+    bad_lr["weights_sum"] = float(hvd.allreduce(params_vector(model).sum(), op=hvd.Sum,
+                                                name="hardening.weights")) / hvd.size()
+    bad_lr["mine_sum"] = float(params_vector(model).sum())
+    out["bad_lr"] = bad_lr
+
+    # 5. Finite float32 gradients with |g| ~ 1e21 (float32 squares overflow above ~1.8e19): the
+    # step is applied, with finite statistics; one pass (bucketed norms), two (hooks), unmeasured.
+    large = {}
+    for name, kw in {"k1": {"policy": "adascale"}, "k2": {"policy": "adascale",
+                                                           "backward_passes_per_step": 2},
+                     "unmeasured": {"policy": "linear", "measure": False}}.items():
+        model, ref = make_model().float(), make_model().float()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-23),
+                                   named_parameters=model.named_parameters(), **kw)
+        k = kw.get("backward_passes_per_step", 1)
+        opt.zero_grad()
+        before = params_vector(model).clone()
+        for j in range(k):
+            x, y = micro_batch(rank, 0, j)
+            (loss_fn(model, x.float(), y) * 1e21).backward()
+            (loss_fn(ref, x.float(), y) * 1e21).backward()  # p.grad here is not Horovod's
+        grad_norm = float(torch.stack([p.grad.double().norm() for p in ref.parameters()]).norm())
+        error = _error(opt.step)
+        after = params_vector(model)
+        large[name] = {"error": error, "grad_norm": grad_norm, "skipped": opt.policy.skipped,
+                       "steps": opt.policy.steps, "progress": opt.progress,
+                       "moved": float((after - before).abs().max()),
+                       "finite": bool(torch.isfinite(after).all()),
+                       "sigma2": opt.sigma2, "mu2": opt.mu2}
+    out["large_gradients"] = large
+
+    # 6. A checkpoint of another model (same number of groups, other shapes): refused at load,
+    # before anything changes, on every rank; neither the optimizer nor the checkpoint changes.
+    other = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)).double()
+    model = make_model()
+    other_opt, opt = (DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9),
+                                           named_parameters=m.named_parameters())
+                      for m in (other, model))
+    for m, o in ((other, other_opt), (model, opt)):
+        o.zero_grad()
+        loss_fn(m, *micro_batch(rank, 0, 0)).backward()
+        o.step()
+    saved = other_opt.state_dict()
+    saved_copy = copy.deepcopy(saved)
+    mine = copy.deepcopy(opt.state_dict())
+    load_error = _error(lambda: opt.load_state_dict(saved))
+    first_step_error = None
+    if load_error is None:  # what the first step then does (the issue: it fails inside torch)
+        opt.zero_grad()
+        loss_fn(model, *micro_batch(rank, 1, 0)).backward()
+        first_step_error = _error(opt.step)
+
+    def same(a, b):
+        if torch.is_tensor(a):
+            return torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a, b))
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    out["other_model"] = {"load_error": load_error, "first_step_error": first_step_error,
+                          "optimizer_unchanged": same(opt.state_dict(), mine),
+                          "checkpoint_unchanged": same(saved, saved_copy)}
+    # Every rank is still in step: a collective completes.
+    out["alive"] = float(hvd.allreduce(torch.tensor(1.0), op=hvd.Sum, name="hardening.alive"))
+    emit("hardening", **out)
+
+
 def steps_for_resize(model, opt, start, stop, passes):
     """Steps whose micro-batches are (rank r, step) for r in 0..1, whatever the layout:
     2 workers x 1 pass, or 1 worker x 2 passes (each pass's mean loss: hvd_scale applies the
@@ -528,6 +643,7 @@ def case_one_process():
 
 CASES = {
     "misuse": case_misuse,
+    "hardening": case_hardening,
     "save_for_resize": case_save_for_resize,
     "adam": case_adam,
     "adam_horizons": case_adam_horizons,
