@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -66,6 +66,8 @@ class Scaling:
             workers x k is an error.
         guard: a ``hvd_scale.guard.SharpnessGuard`` capping lr x factor; the adapter measures
             the sharpness when ``guard_due()`` and hands it to ``guard.update``.
+        check: the adapter's own check of its set-up, given the built policy: a ValueError it
+            raises is reported on every rank in the set-up's one allgather.
     """
 
     def __init__(self, hvd, *, policy: str | Policy | None, passes: int, scale: float | None,
@@ -73,7 +75,8 @@ class Scaling:
                  base_lrs: Sequence[Any] | Mapping[str, Any] = (),
                  measure: bool | None = None,
                  log_dir: str | None = None, nonfinite: str = "skip", short_steps: bool = False,
-                 guard: SharpnessGuard | None = None, agreed: Mapping[str, Any] | None = None):
+                 guard: SharpnessGuard | None = None, agreed: Mapping[str, Any] | None = None,
+                 check: Callable[[Policy], None] | None = None):
         self.hvd = hvd
         if guard is not None:
             if not isinstance(guard, SharpnessGuard):
@@ -97,7 +100,7 @@ class Scaling:
         guard_settings = None if guard is None else {
             "every": guard.every, "iterations": guard.iterations, "tol": guard.tol,
             "margin": guard.margin}
-        self.policy = self._agreed_policy(policy, scale, budget, base_lrs, lambda built: {
+        self.policy = self._agreed_policy(policy, scale, budget, base_lrs, check, lambda built: {
             "backward_passes_per_step": self.passes, "lr": base_lrs, "parameter groups": groups,
             "measure": measured(built), "nonfinite": nonfinite, "guard": guard_settings,
             **(agreed or {})})
@@ -115,7 +118,7 @@ class Scaling:
         self._skips_in_a_row = 0
 
     # -- set-up ----------------------------------------------------------------------------------
-    def _agreed_policy(self, policy, scale, budget, base_lrs: Mapping[str, Any],
+    def _agreed_policy(self, policy, scale, budget, base_lrs: Mapping[str, Any], check,
                        settings) -> Policy:
         hvd, passes = self.hvd, self.passes
 
@@ -126,9 +129,12 @@ class Scaling:
                     raise ValueError(f"{name} has lr={lr!r}: the baseline learning rate must be "
                                      "a finite number > 0 (the policy multiplies it)")
             micro_gradients = hvd.size() * passes
-            return resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
-                                  budget=budget, optimizer=self.optimizer_name,
-                                  micro_gradients=micro_gradients)
+            built = resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
+                                   budget=budget, optimizer=self.optimizer_name,
+                                   micro_gradients=micro_gradients)
+            if check is not None:
+                check(built)
+            return built
 
         # Not under Horovod elastic: a worker that joins a running job builds its optimizer
         # while the others train, so a collective here would wait forever. There the policy

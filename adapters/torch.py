@@ -66,6 +66,9 @@ def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """|t| of each tensor as a float64 0-d tensor, which no finite tensor overflows (a float32
     sum of squares does from |t| ~ 1.8e19 on, and would call a finite step non-finite).
 
+    A sparse tensor's norm is that of its coalesced values: its entries may repeat an index
+    (an embedding's gradient lists each token once per occurrence, and Horovod's sparse
+    allreduce concatenates the workers' entries), and the duplicates add up before squaring.
     On a GPU one fused kernel reads the tensors as they are and accumulates in float64 (no
     copy). On the CPU torch's float64 norm copies each tensor to float64 first (about 4x the
     time), so there the norm is taken in the tensor's own precision (half in float32) and taken
@@ -73,23 +76,36 @@ def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     if not tensors:
         return []
-    fused = len({t.dtype for t in tensors}) == 1 and not any(t.is_sparse for t in tensors)
+    tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
+    fused = len({t.dtype for t in tensors}) == 1
     if tensors[0].device.type != "cpu":
         if fused:
             return list(torch._foreach_norm(tensors, 2, dtype=torch.float64))
-        return [torch._foreach_norm([t], 2, dtype=torch.float64)[0] if not t.is_sparse
-                else torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+        return [torch._foreach_norm([t], 2, dtype=torch.float64)[0] for t in tensors]
 
     def own(ts):  # half widened inside the kernel
         return torch._foreach_norm(ts, 2, dtype=torch.float32 if ts[0].dtype in _HALF else None)
 
-    out = list(own(tensors)) if fused else [own([t])[0] if not t.is_sparse
-                                            else torch.linalg.vector_norm(t) for t in tensors]
+    out = list(own(tensors)) if fused else [own([t])[0] for t in tensors]
     out = [n.double() for n in out]
     if not bool(torch.stack(out).isfinite().all()):
         out = [n if n.isfinite() else torch.linalg.vector_norm(t, dtype=torch.float64)
                for n, t in zip(out, tensors)]
     return out
+
+
+def _check_op(op) -> None:
+    """Only ops that combine the workers' gradients. Horovod's Adasum optimizer runs the inner
+    optimizer's step inside each parameter's gradient hook, during backward, with the lr set
+    at that moment, and combines the workers' updates instead of their gradients: no step is
+    left for the policy's lr factor, a non-finite step cannot be skipped, and there is no
+    averaged gradient to measure (its ``skip_synchronize()`` raises AssertionError)."""
+    if op not in (hvd.Average, hvd.Sum):
+        why = ("Horovod's Adasum optimizer applies the inner step inside backward and combines "
+               "the workers' updates, leaving no step for the policy to scale and no averaged "
+               "gradient to measure") if op == hvd.Adasum else "it does not average gradients"
+        raise ValueError(f"op={'hvd.Adasum' if op == hvd.Adasum else repr(op)} is not supported: "
+                         f"{why}; use op=hvd.Average (or hvd.Sum)")
 
 
 class DistributedOptimizer(Readout, torch.optim.Optimizer):
@@ -122,7 +138,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         **horovod_options: compression, op, gradient_predivide_factor, groups, sparse_as_dense,
             process_set: passed to ``hvd.DistributedOptimizer``. With a ``process_set``, S, n, the
             policy agreement and the statistics are the set's, as the averaged gradients are.
-            op=hvd.Sum is normalized like Average (the mean micro-gradient is applied).
+            op=hvd.Sum is normalized like Average (the mean micro-gradient is applied);
+            op=hvd.Adasum is refused (``_check_op``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -144,14 +161,10 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                                framework="torch", groups=len(optimizer.param_groups),
                                base_lrs=[g.get("lr") for g in optimizer.param_groups],
                                measure=measure, log_dir=log_dir, nonfinite=nonfinite,
-                               short_steps=True, guard=guard)
+                               short_steps=True, guard=guard, check=lambda _: _check_op(op))
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self._measure = self.scaling.measure
-        if self._measure and op not in (hvd.Average, hvd.Sum):
-            raise ValueError(f"policy {self.policy.name!r} measures the averaged gradient, which "
-                             f"op={op!r} (Adasum) does not produce: use op=hvd.Average, or a "
-                             "fixed policy (none, linear, sqrt, warmup) with measure=False")
         self._op = op
         # Horovod's factors for the gradients (hvd.DistributedOptimizer's): the statistics match.
         predivide = horovod_options.get("gradient_predivide_factor", 1.0)
@@ -373,12 +386,15 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         same update in both frameworks. ``count``: n, from the statistics (a device tensor); None
         without measurement, when every worker is taken to have made k passes.
         """
-        if self._op not in (hvd.Average, hvd.Sum):
-            return  # Adasum combines the workers' gradients its own way: left as it is
         k, workers = self.backward_passes_per_step, self.scaling.hvd.size()
         per_worker_mean = self._op == hvd.Average
-        if per_worker_mean and k == 1:
-            return  # one pass on every worker (Horovod's own contract at k = 1): already the mean
+        # At k = 1 the average is already the mean unless some worker sent no pass: a rank
+        # that called hvd.join() contributes zeros, and Horovod still divides by all workers.
+        # On the CPU n is read for free and the multiply skipped when it changes nothing; on
+        # a device the multiply is cheaper than the host transfer that would decide it.
+        if per_worker_mean and k == 1 and (count is None or (
+                count.device.type == "cpu" and count.item() == workers)):
+            return
         grads = self._grads()
         if not grads:
             return

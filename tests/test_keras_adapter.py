@@ -287,3 +287,20 @@ def test_resume_at_another_world_size_same_scale(results):
     for mine, theirs in zip(resumed["rest"], full["rest"]):
         assert mine == pytest.approx(theirs, rel=1e-9)
     assert resumed["progress"] == pytest.approx(full["progress"], rel=1e-9)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_unequal_shards_in_fit_fail_clearly_on_every_rank(tmp_path, backend):
+    """Issue #22, item 7: fit on shards of 10 and 7 batches. At 2be4252 the longer rank failed
+    with 'Horovod has been shut down' and, with a collective after fit, the job hung (this job
+    ran out its time). Now one ValueError on every rank before any step, naming each rank's
+    steps, and the job goes on. A job of its own, so a hang fails only this test."""
+    results = run_cases(WORKERS_DIR / "keras_adapter_worker.py", NP, timeout=150,
+                        test_dir=tmp_path, cases=["uneven"], env={"KERAS_BACKEND": backend})
+    for r in both_ranks(results, "uneven"):
+        assert r["backend"] == backend
+        assert r["error"].startswith("ValueError: hvd_scale: model.fit runs unequal numbers of steps")
+        assert "rank 0: 1 epoch(s) x 10 step(s), rank 1: 1 epoch(s) x 7 step(s)" in r["error"]
+        assert "same number of batches" in r["error"]
+        assert r["steps"] == 0 and r["alive"] == NP

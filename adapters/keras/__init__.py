@@ -37,7 +37,8 @@ Conventions and limits:
 * ``backward_passes_per_step=k``: k calls to ``apply`` (k batches of ``fit``) make one optimizer
   step; the inner optimizer receives the *mean* of the k micro-gradients (Keras's own
   ``gradient_accumulation_steps`` convention) averaged over workers. n = workers x k, S = n by
-  default. Every worker must make the same number of ``apply`` calls (equal shard sizes).
+  default. Every worker must make the same number of ``apply`` calls (equal shard sizes; the
+  callbacks check that every rank's ``fit`` runs as many steps: ``check_equal_steps``).
 * A step whose averaged gradient or statistics are not finite is skipped on every rank: weights,
   inner optimizer state, statistics and tau stay (``policy.skipped`` counts it);
   ``nonfinite="raise"`` raises instead. With a ``LossScaleOptimizer`` inside, that optimizer

@@ -7,8 +7,10 @@ import warnings
 
 import keras
 
+from hvd_scale.adapters.core import elastic
 from hvd_scale.metrics import LOGS_METRICS
 
+from . import backends
 from .optimizer import DistributedOptimizer, broadcast_state
 
 
@@ -30,12 +32,35 @@ def prepare_model(model) -> None:
         model.train_function = None
 
 
+def check_equal_steps(params: dict) -> None:
+    """Every rank's ``fit`` must run as many steps: each step's allreduce needs every rank, and
+    a rank with fewer batches ends its ``fit`` (and, exiting, Horovod) while the others still
+    step ('Horovod has been shut down', or a hang at the next collective). One allgather of
+    (epochs, steps per epoch) at the start of each ``fit``, so every rank raises alike. Not
+    under elastic, where a joining worker starts its ``fit`` while the others train."""
+    hvd = backends.current().hvd
+    if hvd.size() == 1 or elastic():
+        return
+    seen = hvd.allgather_object((params.get("epochs"), params.get("steps")),
+                                name="hvd_scale.fit_steps")
+    if len(set(seen)) > 1:
+        by_rank = ", ".join(f"rank {r}: {e} epoch(s) x {s} step(s)" for r, (e, s) in enumerate(seen))
+        raise ValueError(f"hvd_scale: model.fit runs unequal numbers of steps on the ranks "
+                         f"({by_rank}): every rank must run the same number of batches (equal "
+                         "shards: each rank n // workers samples, the remainder dropped; or the "
+                         "same steps_per_epoch and epochs on every rank over repeated data)")
+
+
 class _PreparesModel(keras.callbacks.Callback):
-    """Checks the model's wrapping (and switches XLA off) as soon as fit hands it over."""
+    """Checks the model's wrapping (and switches XLA off) as soon as fit hands it over, and
+    that every rank's fit runs as many steps (``check_equal_steps``)."""
 
     def set_model(self, model):
         super().set_model(model)
         prepare_model(model)
+
+    def on_train_begin(self, logs=None):
+        check_equal_steps(self.params)
 
 
 class BroadcastInitialState(_PreparesModel):
@@ -50,6 +75,7 @@ class BroadcastInitialState(_PreparesModel):
         self.broadcast_done = False
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         if not self.broadcast_done:
             broadcast_state(self.model, root_rank=self.root_rank)
             self.broadcast_done = True

@@ -461,6 +461,22 @@ def case_bad_policy():
     emit("bad_policy", errors=errors, alive=alive)
 
 
+def case_uneven():
+    """Issue #22, item 7: model.fit on unequal shards (10 batches on rank 0, 7 on rank 1). At
+    2be4252 the longer rank failed with 'Horovod has been shut down', or, with a collective
+    after fit, the job hung. Now every rank raises one ValueError naming each rank's steps,
+    before any step, and the job goes on (a collective after fit completes)."""
+    x, y = dataset(hvd.rank(), [160, 112][hvd.rank()])
+    model = make_model()
+    opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale")
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+    error = _error(lambda: model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                                     callbacks=[BroadcastInitialState()]))
+    alive = float(np.asarray(hvd.allreduce(np.ones(1), op=hvd.Sum, name="uneven.alive"))[0]) \
+        if TF else float(hvd.allreduce(__import__("torch").ones(1), op=hvd.Sum, name="uneven.alive"))
+    emit("uneven", error=error, steps=opt.policy.steps, alive=alive)
+
+
 def steps_for_resize(model, opt, start, stop, passes):
     """Steps whose micro-batches are (rank r, step) for r in 0..1, whatever the layout: 2 workers
     x 1 pass, or 1 worker x 2 passes. Returns [gain, sum of the weights] per step."""
@@ -520,12 +536,13 @@ CASES = {
     "hardening": case_hardening,
     "save_for_resize": case_save_for_resize,
     "resume_np1": case_resume_np1,  # single process, after save_for_resize
+    "uneven": case_uneven,  # a job of its own: before the fix it ended the job
 }
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("cases", nargs="*", default=[c for c in CASES if c != "resume_np1"])
+    parser.add_argument("cases", nargs="*", default=[c for c in CASES if c not in ("resume_np1", "uneven")])
     args = parser.parse_args()
     hvd.init()
     if TF:

@@ -566,6 +566,121 @@ def case_hardening():
     emit("hardening", **out)
 
 
+class EmbeddingModel(torch.nn.Module):
+    """A bag of token embeddings and a linear head: nn.Embedding(sparse=True) gives sparse
+    gradients (with duplicate indices within a batch and across passes)."""
+
+    def __init__(self, sparse, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding = torch.nn.Embedding(20, 4, sparse=sparse)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens).mean(1))
+
+
+def token_batch(rank, step, k_pass):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + k_pass)
+    return torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def run_options(model, batch, steps=3, k=1, dtype=None, **kw):
+    """A few SGD steps through DistributedOptimizer(**kw); what every rank saw."""
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                               named_parameters=model.named_parameters(),
+                               backward_passes_per_step=k, **kw)
+    rows = []
+    for step in range(steps):
+        opt.zero_grad()
+        for j in range(k):
+            x, y = batch(hvd.rank(), step, j)
+            x = x if dtype is None else x.to(dtype)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        rows.append({"gain": opt.gain, "sigma2": opt.sigma2, "mu2": opt.mu2,
+                     "progress": opt.progress})
+    weights = params_vector(model)
+    mean = hvd.allreduce(weights, op=hvd.Average)
+    return {"rows": rows, "scale": opt.scale, "finite": bool(torch.isfinite(weights).all()),
+            "weights": weights.tolist(), "spread": float((weights - mean).abs().max())}
+
+
+def case_options():
+    """Issue #22, item 3: each option hvd_scale passes through to hvd.DistributedOptimizer
+    trains (equal weights on every rank, gain in [1, S]); sparse gradients give the statistics
+    of the same model with a dense embedding; Adasum is refused up front, on every rank."""
+    out = {}
+
+    def attempt(key, *args, **kw):
+        """out[key]: what each rank raised (None), out[key + '_run']: the run's results."""
+        try:
+            out[f"{key}_run"], out[key] = run_options(*args, **kw), None
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            out[key] = f"{type(e).__name__}: {e}"
+
+    for name, k, kw in (("fp16", 1, {"compression": hvd.Compression.fp16}),
+                        ("predivide", 1, {"gradient_predivide_factor": 2.0}),
+                        ("groups", 1, {"groups": 2}), ("groups_k2", 2, {"groups": 2})):
+        attempt(name, make_model().float(), micro_batch, k=k, dtype=torch.float32,
+                policy="adascale", **kw)
+    for k in (1, 2):
+        for policy, measure in (("adascale", None), ("linear", False)):
+            dense = run_options(EmbeddingModel(sparse=False), token_batch, k=k, policy=policy,
+                                measure=measure)
+            for kind, kw in (("sparse", {}), ("sparse_as_dense", {"sparse_as_dense": True})):
+                key = f"{kind}_k{k}_{policy}"
+                attempt(key, EmbeddingModel(sparse=True), token_batch, k=k, policy=policy,
+                        measure=measure, **kw)
+                out[f"{key}_dense"] = dense
+    for policy in ("adascale", "linear", "none"):
+        out[f"adasum_{policy}"] = _error(lambda: run_options(
+            make_model(), micro_batch, op=hvd.Adasum, policy=policy, measure=False))
+    out["alive"] = float(hvd.allreduce(torch.tensor(1.0), op=hvd.Sum, name="options.alive"))
+    emit("options", **out)
+
+
+def case_join():
+    """Issue #22, item 7: uneven data with hvd.join(). Rank 0 has 4 steps of data, rank 1 has 2
+    and joins when out of it; the steps rank 0 takes alone count only its own micro-batches
+    (a joined rank's allreduce contributes zeros: no micro-batch of it may count). Reference:
+    the same steps in one process over the micro-batches each step really had."""
+    out = {}
+    for name, k, kw in (("adascale_k2", 2, {"policy": "adascale"}),
+                        ("linear_k1", 1, {"policy": "linear", "measure": True}),
+                        ("adascale_k1", 1, {"policy": "adascale"})):
+        model = make_model()
+        ref = copy.deepcopy(model)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=k, **kw)
+        rows, error = [], None
+        try:
+            for step in range(4 if hvd.rank() == 0 else 2):
+                opt.zero_grad()
+                for j in range(k):
+                    loss_fn(model, *micro_batch(hvd.rank(), step, j)).backward()
+                opt.step()
+                ranks = range(hvd.size()) if step < 2 else [0]
+                batches = [micro_batch(r, step, j) for r in ranks for j in range(k)]
+                mean = None
+                for x, y in batches:
+                    ref.zero_grad()
+                    loss_fn(ref, x, y).backward()
+                    g = [p.grad.clone() for p in ref.parameters()]
+                    mean = g if mean is None else [a + b for a, b in zip(mean, g)]
+                with torch.no_grad():  # plain SGD with the mean of the step's micro-gradients
+                    for p, g in zip(ref.parameters(), mean):
+                        p -= LR * opt.lr_factor * g / len(batches)
+                rows.append({"gain": opt.gain, "lr_factor": opt.lr_factor, "progress": opt.progress,
+                             "diff": float((params_vector(model) - params_vector(ref)).abs().max())})
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            error = f"{type(e).__name__}: {e}"
+        last = hvd.join()
+        out[name] = {"rows": rows, "error": error, "last_joined": last, "scale": opt.scale}
+    emit("join", **out)
+
+
 def steps_for_resize(model, opt, start, stop, passes):
     """Steps whose micro-batches are (rank r, step) for r in 0..1, whatever the layout:
     2 workers x 1 pass, or 1 worker x 2 passes (each pass's mean loss: hvd_scale applies the
@@ -644,6 +759,8 @@ def case_one_process():
 CASES = {
     "misuse": case_misuse,
     "hardening": case_hardening,
+    "options": case_options,
+    "join": case_join,
     "save_for_resize": case_save_for_resize,
     "adam": case_adam,
     "adam_horizons": case_adam_horizons,
