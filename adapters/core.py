@@ -115,6 +115,7 @@ class Scaling:
         self._world_size = hvd.size()
         self.last_lr = math.nan
         self.last_step: StepInfo | None = None  # what the latest accounted step applied
+        self._state_agreed = False  # agree_on_state() ran
         self._skips_in_a_row = 0
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -228,6 +229,25 @@ class Scaling:
                 raise ValueError(f"hvd_scale: {name} is {lr!r} at step {self.policy.steps + 1}: "
                                  "the learning rate must be a finite number >= 0 (the step was "
                                  "not applied nor counted)")
+
+    def agree_on_state(self) -> None:
+        """Once, at the first step: every rank must hold the same policy state (steps, tau). A
+        checkpoint loaded on some ranks only (without ``broadcast_state`` after it) would train
+        the replicas with different lrs and tau, silently; here it is a ValueError on every rank
+        naming each rank's state. One small allgather per job; not under elastic, where the
+        state comes from rank 0 at every sync."""
+        if self._state_agreed:
+            return
+        self._state_agreed = True
+        if self.hvd.size() == 1 or elastic():
+            return
+        seen = self.hvd.allgather_object((self.policy.steps, self.policy.progress),
+                                         name="hvd_scale.state")
+        if len(set(seen)) > 1:
+            states = {rank: f"{steps} steps, tau {tau:g}" for rank, (steps, tau) in enumerate(seen)}
+            raise ValueError(f"hvd_scale: the ranks start with different policy states {states}: "
+                             "a checkpoint loaded on some ranks only? Load it on every rank, or on "
+                             "rank 0 and then call broadcast_state(model, optimizer) on every rank")
 
     def guard_due(self) -> bool:
         """The next step should measure the sharpness first (alike on every rank)."""

@@ -468,6 +468,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
         self._synchronized = False
+        self.scaling.agree_on_state()  # once: a checkpoint loaded on some ranks only
         try:  # after the collectives of the step (alike on every rank), before anything counts
             self.scaling.check_lrs({f"param_groups[{i}]['lr']": group["lr"]
                                     for i, group in enumerate(self.param_groups)})
@@ -580,8 +581,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         against its shape (``_check_inner_state``), the policy part (spec, version, groups).
 
         Load on every rank, or on rank 0 followed by ``broadcast_state`` on every rank: a rank
-        that did not load keeps its own steps, tau and estimates, and the ranks then train with
-        different lrs (not detected: no step compares the policy states across ranks)."""
+        that did not load keeps its own steps, tau and estimates (detected at the first step:
+        ``Scaling.agree_on_state``; a later load on some ranks only is not)."""
         if not isinstance(state_dict, dict) or not {"inner", "hvd_scale"} <= set(state_dict) \
                 or not set(state_dict) <= {"inner", "hvd_scale", "guard"}:
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__

@@ -277,6 +277,15 @@ def test_norms_do_not_overflow_for_finite_float32_tensors():
 
 
 @pytest.mark.timeout(300)
+def test_checkpoint_loaded_on_one_rank_only_is_detected_on_every_rank(results):
+    for r in both_ranks(results, "one_rank_load"):
+        assert r["every_rank"] is None
+        assert r["rank0_only"] and "different policy states" in r["rank0_only"]
+        assert "0: '2 steps" in r["rank0_only"] and "1: '0 steps" in r["rank0_only"]
+        assert "broadcast_state" in r["rank0_only"]
+
+
+@pytest.mark.timeout(300)
 def test_misuse_errors_on_every_rank_without_hanging(results):
     for r in both_ranks(results, "misuse"):
         e = r["errors"]

@@ -408,6 +408,29 @@ def case_adam_horizons():
     emit("adam_horizons", **out)
 
 
+def case_one_rank_load():
+    """A checkpoint loaded on rank 0 only (no broadcast_state after it): the first step raises a
+    ValueError on every rank naming each rank's state; loaded on every rank, training goes on."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                               named_parameters=model.named_parameters(), policy="adascale")
+    train(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    out = {}
+    for name, loaders in (("every_rank", (0, 1)), ("rank0_only", (0,))):
+        model = make_model()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=model.named_parameters(), policy="adascale")
+        if hvd.rank() in loaders:
+            opt.load_state_dict(saved)
+        try:
+            train(model, opt, 3, start=2)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    emit("one_rank_load", **out)
+
+
 def case_misuse():
     """Bad set-ups raise the same clear error on every rank, and nothing hangs."""
     model = make_model()
@@ -764,6 +787,7 @@ CASES = {
     "save_for_resize": case_save_for_resize,
     "adam": case_adam,
     "adam_horizons": case_adam_horizons,
+    "one_rank_load": case_one_rank_load,
     "reference": lambda: case_reference(1, False),
     "accumulate": lambda: (case_reference(2, False), case_reference(2, True)),
     "policies": case_policies,
