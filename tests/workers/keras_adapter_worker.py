@@ -22,6 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 
+from _report import error_of
 from hvd_scale import GainEstimator
 from hvd_scale.adapters.keras import (BroadcastInitialState, CommitState, DistributedOptimizer,
                                       ElasticState, ScalingMetrics, broadcast_state, hvd)
@@ -370,24 +371,15 @@ def case_jit():
          progress=model.optimizer.progress)
 
 
-def _error(make):
-    """str of the exception make() raises (None when it raises none)."""
-    try:
-        make()
-    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def case_hardening():
     """Issue #22, items 1, 4, 5: what the ranks must agree on, bounds on budget and lr, large
     finite gradients (a float32 model: its statistics travel in float32)."""
     rank = hvd.rank()
-    out = {"differ_scale": _error(lambda: DistributedOptimizer(
+    out = {"differ_scale": error_of(lambda: DistributedOptimizer(
                keras.optimizers.SGD(LR), policy="linear", scale=[2, 4][rank])),
-           "differ_lr": _error(lambda: DistributedOptimizer(
+           "differ_lr": error_of(lambda: DistributedOptimizer(
                keras.optimizers.SGD([LR, 2 * LR][rank]), policy="linear")),
-           "budget_zero": _error(lambda: DistributedOptimizer(
+           "budget_zero": error_of(lambda: DistributedOptimizer(
                keras.optimizers.SGD(LR), policy="linear", budget=0))}
 
     # An lr made negative or nan after construction, eagerly and in a traced step: refused on
@@ -406,7 +398,7 @@ def case_hardening():
             if lr is not None:
                 opt.learning_rate = lr
             before = weights_vector(model)
-            error = _error(lambda: step_fn(*micro_batch(rank, step, 0)))
+            error = error_of(lambda: step_fn(*micro_batch(rank, step, 0)))
             opt.learning_rate = LR
             rows.append({"error": error, "moved": float(np.max(np.abs(weights_vector(model) - before))),
                          "progress": opt.progress, "steps": opt.policy.steps,
@@ -423,7 +415,7 @@ def case_hardening():
         grads = [g * 1e21 for g in grads_of(model, x.astype("float32"), y)]
         norm = float(np.sqrt(sum(float(np.sum(np.square(np.asarray(g, np.float64)))) for g in grads)))
         before = weights_vector(model)
-        error = _error(lambda: opt.apply(grads, model.trainable_variables))
+        error = error_of(lambda: opt.apply(grads, model.trainable_variables))
         after = weights_vector(model)
         large[policy] = {"error": error, "grad_norm": norm, "skipped": opt.policy.skipped,
                          "steps": opt.policy.steps, "progress": opt.progress,
@@ -470,7 +462,7 @@ def case_uneven():
     model = make_model()
     opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale")
     model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
-    error = _error(lambda: model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+    error = error_of(lambda: model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
                                      callbacks=[BroadcastInitialState()]))
     alive = float(np.asarray(hvd.allreduce(np.ones(1), op=hvd.Sum, name="uneven.alive"))[0]) \
         if TF else float(hvd.allreduce(__import__("torch").ones(1), op=hvd.Sum, name="uneven.alive"))

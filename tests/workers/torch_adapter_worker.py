@@ -16,6 +16,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
+from _report import error_of
 from hvd_scale import GainEstimator
 from hvd_scale.adapters.torch import DistributedOptimizer, ScaleInvariantScheduler, broadcast_state
 
@@ -474,15 +475,6 @@ def case_misuse():
     emit("misuse", errors=errors, unchanged=json.dumps(one.state_dict()["hvd_scale"]) == before)
 
 
-def _error(make):
-    """str of the exception make() raises (None when it raises none)."""
-    try:
-        make()
-    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def case_hardening():
     """Issue #22, items 1, 4, 5, 6: what the ranks must agree on, bounds on budget and lr, large
     finite gradients, checkpoints of another model. Each part says what every rank saw."""
@@ -495,11 +487,11 @@ def case_hardening():
 
     # 1. Set-up values that differ between ranks: one error on every rank, naming each value.
     model = make_model()
-    out["differ_scale"] = _error(lambda: sgd(model, policy="linear", scale=[2, 4][rank]))
-    out["differ_budget"] = _error(lambda: sgd(model, policy="linear", budget=[100, 200][rank]))
+    out["differ_scale"] = error_of(lambda: sgd(model, policy="linear", scale=[2, 4][rank]))
+    out["differ_budget"] = error_of(lambda: sgd(model, policy="linear", budget=[100, 200][rank]))
     # 4. Budget bounds.
-    out["budget_zero"] = _error(lambda: sgd(model, policy="linear", budget=0))
-    out["budget_nan"] = _error(lambda: sgd(model, policy="linear", budget=float("nan")))
+    out["budget_zero"] = error_of(lambda: sgd(model, policy="linear", budget=0))
+    out["budget_nan"] = error_of(lambda: sgd(model, policy="linear", budget=float("nan")))
 
     # 4. An lr made negative or nan after construction: refused on every rank, nothing applied
     # or counted, and the job goes on in step (the next step's collectives match).
@@ -515,7 +507,7 @@ def case_hardening():
         if lr is not None:
             opt.param_groups[1]["lr"] = lr
         before = params_vector(model).clone()
-        error = _error(opt.step)
+        error = error_of(opt.step)
         opt.param_groups[1]["lr"] = LR
         bad_lr[str(step)] = {"error": error, "moved": float((params_vector(model) - before).abs().max()),
                              "steps": opt.policy.steps, "skipped": opt.policy.skipped,
@@ -542,7 +534,7 @@ def case_hardening():
             (loss_fn(model, x.float(), y) * 1e21).backward()
             (loss_fn(ref, x.float(), y) * 1e21).backward()  # p.grad here is not Horovod's
         grad_norm = float(torch.stack([p.grad.double().norm() for p in ref.parameters()]).norm())
-        error = _error(opt.step)
+        error = error_of(opt.step)
         after = params_vector(model)
         large[name] = {"error": error, "grad_norm": grad_norm, "skipped": opt.policy.skipped,
                        "steps": opt.policy.steps, "progress": opt.progress,
@@ -565,12 +557,12 @@ def case_hardening():
     saved = other_opt.state_dict()
     saved_copy = copy.deepcopy(saved)
     mine = copy.deepcopy(opt.state_dict())
-    load_error = _error(lambda: opt.load_state_dict(saved))
+    load_error = error_of(lambda: opt.load_state_dict(saved))
     first_step_error = None
     if load_error is None:  # what the first step then does (the issue: it fails inside torch)
         opt.zero_grad()
         loss_fn(model, *micro_batch(rank, 1, 0)).backward()
-        first_step_error = _error(opt.step)
+        first_step_error = error_of(opt.step)
 
     def same(a, b):
         if torch.is_tensor(a):
@@ -657,7 +649,7 @@ def case_options():
                         measure=measure, **kw)
                 out[f"{key}_dense"] = dense
     for policy in ("adascale", "linear", "none"):
-        out[f"adasum_{policy}"] = _error(lambda: run_options(
+        out[f"adasum_{policy}"] = error_of(lambda: run_options(
             make_model(), micro_batch, op=hvd.Adasum, policy=policy, measure=False))
     out["alive"] = float(hvd.allreduce(torch.tensor(1.0), op=hvd.Sum, name="options.alive"))
     emit("options", **out)
