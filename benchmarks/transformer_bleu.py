@@ -65,7 +65,7 @@ CODE = ["hvd_scale", "adapters/__init__.py", "adapters/core.py", "adapters/proto
 # when the benchmark starts, so that edits to the tree during a long benchmark reach no run.
 SNAPSHOT: pathlib.Path | None = None
 CODE_HASH = ""
-SHORT_BUDGET = 1200  # the first B4's budget: S = 1 still gains ~15 BLEU by doubling it
+SHORT_BUDGET = 1200  # the first B4's budget: S = 1 still gains ~12 BLEU by doubling it
 CURVE = (600, 1200, 2400, 4800)
 SEEDS = 3
 
@@ -191,6 +191,10 @@ class Runner:
         save_store(self.runs)
 
 
+def log_dir(policy: str, scale: int) -> pathlib.Path:
+    return LOG_DIR / f"{policy.replace(':', '-').replace('=', '-')}-S{scale:03d}"
+
+
 def spec(policy, S, seed, lr, budget, optimizer="adam", **kw) -> dict:
     return {"policy": policy, "scale": S, "seed": seed, "lr": lr, "budget": budget,
             "optimizer": optimizer, **kw}
@@ -248,6 +252,16 @@ def phase_specs(args, phase: str) -> list[dict]:
 
 # -- the report ----------------------------------------------------------------------------------
 
+def latest(runs, code) -> list[dict]:
+    """One run per configuration: the latest at ``code`` where there is one, else the latest."""
+    best: dict[tuple, dict] = {}
+    for r in runs:
+        k = key(r)
+        if k not in best or r.get("code") == code or best[k].get("code") != code:
+            best[k] = r
+    return list(best.values())
+
+
 def cell_rows(runs, *, policy, S, lr, budget, optimizer="adam"):
     return [r for r in runs if ok(r) and r["S"] == S and r["lr"] == lr and r["budget"] == budget
             and r["optimizer"] == optimizer and not r.get("checkpointing")
@@ -283,6 +297,7 @@ def table(runs, title, *, lr, budget, scales, seeds, code, optimizer="adam", pol
 
 
 def write_report(args, runs, code, seconds=None):
+    runs = latest(runs, code)
     scales = [int(s) for s in args.scales.split(",")]
     s1 = sorted((r for r in runs if ok(r) and r["S"] == 1 and r["seed"] == 0 and r["optimizer"] == "adam"),
                 key=lambda r: (r["lr"], r["budget"]))
@@ -310,7 +325,7 @@ def write_report(args, runs, code, seconds=None):
     lines += [adamw[-1].replace("| **adascale_adam** (horizons in progress)",
                                 "| AdamW (wd 0.01): adascale_adam (horizons in progress)")]
     lines += [""] + table(runs, f"## Short-budget regime: T = {SHORT_BUDGET} (S = 1 is not converged: "
-                          "doubling T still gains ~15 BLEU)", lr=args.lr, budget=SHORT_BUDGET,
+                          "doubling T still gains ~12 BLEU)", lr=args.lr, budget=SHORT_BUDGET,
                           scales=scales, seeds=args.seeds, code=code)
     claim = [r for r in runs if ok(r) and r["policy"] == "warmup:rule=fixed,factor=5" and r["S"] == 8
              and r["budget"] == args.budget * 8 // 5 and r["lr"] == args.lr]
@@ -318,6 +333,7 @@ def write_report(args, runs, code, seconds=None):
         lines += ["", "## The seed's claim as stated: x5 + warm-up at S = 8 for T / 5 steps", "",
                   "| seed | budget | BLEU | steps |", "|---|---|---|---|"]
         lines += [f"| {r['seed']} | {r['budget']} | {r['bleu']:.1f} | {r['steps']} |" for r in claim]
+    lines += loss_at_equal_progress(args.budget)
     errors = [r for r in runs if "error" in r]
     if errors:
         lines += ["", "## Errors", ""] + [f"- S = {r['S']} {r['policy']} seed {r['seed']} T {r['budget']}: "
@@ -335,6 +351,33 @@ def write_report(args, runs, code, seconds=None):
               f"sweep, converged, short, claim (the defaults are this report's settings)"]
     (RESULTS / "bleu.md").write_text("\n".join(lines) + "\n")
     plot(runs, args, scales)
+
+
+def loss_at_equal_progress(budget: int) -> list[str]:
+    """Is progress counted right at scale? The training loss (rank 0's last micro-batch of each
+    step, averaged over a window of tau) of each logged run at equal tau: a run at scale whose
+    loss stays above S = 1's at equal tau made less progress than tau counts (over-counted)."""
+    import csv
+
+    logged = sorted((d for d in LOG_DIR.iterdir() if (d / "metrics.csv").exists()),
+                    key=lambda d: d.name) if LOG_DIR.exists() else []
+    if not logged:
+        return []
+    taus = [round(budget * f) for f in (0.1, 0.25, 0.5, 0.75, 1.0)]
+    window = budget * 0.05
+    lines = ["", f"## Progress at scale: training loss at equal tau (seed 0, T = {budget})", "",
+             "Mean training loss over tau in (tau - 5% T, tau]: a run whose loss stays above S = 1's "
+             "at equal tau made less progress than its tau counts.", "",
+             "| run | " + " | ".join(f"tau {t}" for t in taus) + " |", "|---|" + "---|" * len(taus)]
+    for d in logged:
+        with open(d / "metrics.csv") as f:
+            rows = [(float(r["progress"]), float(r["loss"])) for r in csv.DictReader(f) if r["loss"]]
+        cells = []
+        for t in taus:
+            xs = [loss for tau, loss in rows if t - window < tau <= t + (1 if t == taus[-1] else 0) * window]
+            cells.append(f"{statistics.mean(xs):.3f}" if xs else "-")
+        lines.append(f"| {d.name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(runs, args, scales):
@@ -402,7 +445,7 @@ def main(argv=None) -> int:
             for s in specs:
                 if phase == "converged" and s["policy"] == ADASCALE and s["seed"] == 0 \
                         and s["scale"] in logged and s["optimizer"] == "adam":
-                    s["log_dir"] = LOG_DIR / f"adascale_adam-S{s['scale']:03d}"
+                    s["log_dir"] = log_dir(s["policy"], s["scale"])
             runner.ensure(specs)
     write_report(args, runner.runs, runner.code, time.perf_counter() - start)
     print((RESULTS / "bleu.md").read_text())
