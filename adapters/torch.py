@@ -62,8 +62,8 @@ _HALF = (torch.float16, torch.bfloat16)
 _WIDE = 2.0 ** -200
 
 
-def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """|t| of each tensor as a float64 0-d tensor, which no finite tensor overflows (a float32
+def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """|t| of each tensor, as one float64 vector, which no finite tensor overflows (a float32
     sum of squares does from |t| ~ 1.8e19 on, and would call a finite step non-finite).
 
     A sparse tensor's norm is that of its coalesced values: its entries may repeat an index
@@ -71,26 +71,29 @@ def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     allreduce concatenates the workers' entries), and the duplicates add up before squaring.
     On a GPU one fused kernel reads the tensors as they are and accumulates in float64 (no
     copy). On the CPU torch's float64 norm copies each tensor to float64 first (about 4x the
-    time), so there the norm is taken in the tensor's own precision (half in float32) and taken
-    again in float64 only where it came out non-finite: a host check, free on the CPU.
+    time), so there the norms are taken in the tensors' own precision (half in float32),
+    widened once as a vector, and taken again in float64 only where one came out non-finite
+    (one host check per call: per tensor, the widening and the check cost more than the norms
+    of a small model's tensors).
     """
     if not tensors:
-        return []
+        return torch.zeros(0, dtype=torch.float64)
     tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
     fused = len({t.dtype for t in tensors}) == 1
     if tensors[0].device.type != "cpu":
         if fused:
-            return list(torch._foreach_norm(tensors, 2, dtype=torch.float64))
-        return [torch._foreach_norm([t], 2, dtype=torch.float64)[0] for t in tensors]
+            return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64))
+        return torch.cat([torch._foreach_norm([t], 2, dtype=torch.float64)[0].view(1) for t in tensors])
 
     def own(ts):  # half widened inside the kernel
         return torch._foreach_norm(ts, 2, dtype=torch.float32 if ts[0].dtype in _HALF else None)
 
-    out = list(own(tensors)) if fused else [own([t])[0] for t in tensors]
-    out = [n.double() for n in out]
-    if not bool(torch.stack(out).isfinite().all()):
-        out = [n if n.isfinite() else torch.linalg.vector_norm(t, dtype=torch.float64)
-               for n, t in zip(out, tensors)]
+    out = (torch.stack(own(tensors)) if fused
+           else torch.cat([own([t])[0].double().view(1) for t in tensors])).double()
+    # The sum of float64 norms is finite exactly when each norm is (n norms below 3.4e38 each).
+    if not math.isfinite(out.sum().item()):
+        out = torch.stack([n if n.isfinite() else torch.linalg.vector_norm(t, dtype=torch.float64)
+                           for n, t in zip(out, tensors)])
     return out
 
 
@@ -294,23 +297,24 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 handles[p] = sent
         return result
 
-    def _grad_norms(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """|p.grad| of each parameter, float64 0-d tensors (``norms``): one fused kernel when the
+    def _grad_norms(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """|p.grad| of each parameter, a float64 vector (``norms``): one fused kernel when the
         gradients allow it (dense, one dtype); adascale_adam's preconditioned gradients one at a
         time (one alive at a time, not the whole model's)."""
         grads = [p.grad for p in params]
         if self.policy.statistics == "preconditioned":
-            return [self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
-                    for p, g in zip(params, grads)]
+            return torch.cat([self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
+                              for p, g in zip(params, grads)])
         return norms(grads)
 
     def _take_norms(self, params: list[torch.Tensor]) -> None:
-        norms = self._grad_norms(params)
+        """Keep the bucket's norms for this step's sums: as one vector when there is one group."""
+        vector = self._grad_norms(params)
         if len(self._norms) == 1:
-            self._norms[0].extend(norms)
+            self._norms[0].append(vector)
         else:
-            for p, n in zip(params, norms):
-                self._norms[self._group_of[p]].append(n)
+            for i, p in enumerate(params):
+                self._norms[self._group_of[p]].append(vector[i:i + 1])
 
     def start_statistics(self):
         """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op,
@@ -338,8 +342,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         return torch.cat([sums, count.round()])
 
     def _norm(self, g: torch.Tensor) -> torch.Tensor:
-        """|g| as a float64 0-d tensor (``norms``)."""
-        return norms([g])[0]
+        """[|g|] as a float64 vector of one (``norms``)."""
+        return norms([g])
 
     def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
         """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
@@ -357,7 +361,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         float64 norms, which no finite gradient overflows. c is the passes this worker actually
         took (a short step takes fewer than k)."""
         device = self._device
-        sums = [torch.stack(group_norms).square().sum() if group_norms
+        sums = [torch.cat(group_norms).square().sum() if group_norms
                 else torch.zeros((), dtype=torch.float64, device=device)
                 for group_norms in self._norms]
         for group_norms in self._norms:
@@ -373,7 +377,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         out = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            out.append(torch.stack(self._grad_norms(params)).square().sum() if params
+            out.append(self._grad_norms(params).square().sum() if params
                        else torch.zeros((), dtype=torch.float64, device=self._device))
         return torch.stack(out)
 
@@ -524,7 +528,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     def _grads_finite(self) -> bool:
         grads = self._grads()  # float64 norms: a large finite gradient is not called non-finite
-        return not grads or bool(torch.stack(norms(grads)).isfinite().all())
+        return not grads or bool(norms(grads).isfinite().all())
 
     def apply_step(self, lr_factor: float, closure=None):
         """The inner step with every group's lr x lr_factor (and, for adascale_adam, the step's

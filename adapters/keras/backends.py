@@ -159,7 +159,7 @@ class TorchBackend:
             groups.setdefault(t.dtype, []).append(t)
         total = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else None)
         for ts in groups.values():
-            total += torch.stack(self._norms(ts)).square().sum()
+            total += self._norms(ts).square().sum()
         return total
 
     def host_call(self, fn: Callable, args: Sequence, name: str):
