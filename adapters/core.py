@@ -8,14 +8,13 @@ apply. No framework is imported here: the Horovod module is passed in (``Horovod
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
-from hvd_scale.metrics import LOG_DIR_ENV, MetricsLogger
-from hvd_scale.moments import AdamStep, adam_step, moment_progress
+from hvd_scale.adapters.log import MetricsLogger
+from hvd_scale.moments import EPS_CORRECTED, AdamStep, adam_step, moment_progress
 from hvd_scale.policies import Policy, StepInfo, agree_across_ranks, make_policy, resolve_policy
 from hvd_scale.reduce import unpack_step
 
@@ -26,9 +25,29 @@ NONFINITE = ("skip", "raise")
 DIVERGED_AFTER = 100
 
 
-def elastic() -> bool:
-    """Under ``horovodrun`` elastic (workers join and leave while the job runs)."""
-    return os.environ.get("HOROVOD_ELASTIC") == "1"
+# What the framework's optimizer holds for each parameter group before a step (its
+# ``user_settings``): the step's baseline lr (a schedule's value), Adam's betas and eps, the
+# decoupled (AdamW) decay and the step count t its bias correction will use after this step; nan
+# where it has no such value.
+USER_SETTINGS = ("lr", "beta1", "beta2", "eps", "weight_decay", "framework_step")
+# The host's answer (``Scaling.plan``), a row per group: the policy's lr factor (0: the step is
+# skipped) and what the inner update uses for this step only; nan: the user's value stays.
+PLAN = ("lr_factor", "lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def run_step(opt, closure=None):
+    """One optimizer step, the same sequence for every adapter (``protocol.FrameworkOptimizer``):
+    the step's statistics reduced over workers, the policy's plan on the host, the inner update
+    with the plan's settings (the user's values put back after)."""
+    statistics, finite = opt.reduced_statistics()
+    plan = opt.on_host(opt.scaling.plan, statistics, finite, opt.user_settings(), opt.loss_scale())
+    return opt.apply_step(plan, closure)
+
+
+def precondition(grad, second_moment, correction, eps, sqrt):
+    """Adam's preconditioned gradient g / (sqrt(v / c2) + eps), c2 = 1 - beta2^t the bias
+    correction of v (``Policy.second_moment_correction``), in any framework's ops (``sqrt``)."""
+    return grad / (sqrt(second_moment / correction) + eps)
 
 
 def check_passes(backward_passes_per_step: Any) -> int:
@@ -58,7 +77,10 @@ class Scaling:
             settings they are compared across ranks in the one allgather at set-up.
         measure: take statistics although the policy does not need them; default: when the
             policy needs them or metrics are logged.
-        log_dir: per-step metrics on rank 0; default ``$HVD_SCALE_LOG_DIR``, else none.
+        log_dir: per-step metrics on rank 0; None: none (the adapter resolves
+            ``$HVD_SCALE_LOG_DIR``: ``environment.log_dir``).
+        elastic: under Horovod elastic (``environment.elastic``): no collective at set-up, where a
+            joining worker builds its optimizer while the others train.
         nonfinite: "skip" a step with non-finite gradients on every rank, or "raise".
         short_steps: the framework can take a step with fewer micro-batches than workers x k
             (torch: a leftover batch at an epoch's end; uneven passes across ranks); such a step
@@ -68,6 +90,9 @@ class Scaling:
             the sharpness when ``guard_due()`` and hands it to ``guard.update``.
         check: the adapter's own check of its set-up, given the built policy: a ValueError it
             raises is reported on every rank in the set-up's one allgather.
+        lr_names: how errors name each group's lr at a step (``check_lrs``); default "lr" for
+            one group, else ``param_groups[i]['lr']``.
+        eps_placement: where the framework's Adam puts eps (``hvd_scale.moments``).
     """
 
     def __init__(self, hvd, *, policy: str | Policy | None, passes: int, scale: float | None,
@@ -76,8 +101,13 @@ class Scaling:
                  measure: bool | None = None,
                  log_dir: str | None = None, nonfinite: str = "skip", short_steps: bool = False,
                  guard: SharpnessGuard | None = None, agreed: Mapping[str, Any] | None = None,
-                 check: Callable[[Policy], None] | None = None):
+                 check: Callable[[Policy], None] | None = None, elastic: bool = False,
+                 lr_names: Sequence[str] | None = None, eps_placement: str = EPS_CORRECTED):
         self.hvd = hvd
+        self.elastic = elastic
+        self.lr_names = tuple(lr_names) if lr_names is not None else \
+            ("lr",) if groups == 1 else tuple(f"param_groups[{i}]['lr']" for i in range(groups))
+        self.eps_placement = eps_placement
         if guard is not None:
             if not isinstance(guard, SharpnessGuard):
                 raise TypeError(f"guard must be a hvd_scale.guard.SharpnessGuard, got {type(guard).__name__}")
@@ -90,7 +120,6 @@ class Scaling:
         self.groups = groups
         self.short_steps = short_steps
         self.optimizer_name = optimizer_name
-        log_dir = log_dir or os.environ.get(LOG_DIR_ENV) or None
 
         def measured(built: Policy) -> bool:
             return bool(built.uses_statistics or log_dir is not None if measure is None else measure)
@@ -140,7 +169,7 @@ class Scaling:
         # Not under Horovod elastic: a worker that joins a running job builds its optimizer
         # while the others train, so a collective here would wait forever. There the policy
         # state (its spec checked on load) comes from rank 0 at every sync instead.
-        allgather = None if hvd.size() == 1 or elastic() else \
+        allgather = None if hvd.size() == 1 or self.elastic else \
             (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
         return agree_across_ranks(build, allgather, settings)
 
@@ -198,6 +227,32 @@ class Scaling:
             self.logger.log(self.metrics())
         return info.lr_factor
 
+    def plan(self, statistics, finite, user_settings, loss_scale: float | None = None) -> np.ndarray:
+        """The host side of one step, for every adapter (``run_step``): the step's plan, a row of
+        ``PLAN`` per group, from its statistics (``step``) and the groups' ``USER_SETTINGS``.
+
+        The groups' lrs are checked before anything counts (``check_lrs``). Unmeasured, the
+        statistics are ignored and ``finite`` is the framework's verdict on the gradient.
+        """
+        user = np.asarray(user_settings, dtype=np.float64).reshape(self.groups, len(USER_SETTINGS))
+        lrs = user[:, 0].tolist()
+        self.check_lrs(dict(zip(self.lr_names, lrs)))
+        loss_scale = None if loss_scale is None else float(loss_scale)
+        factor = self.step(statistics if self.measure else None, base_lr=lrs[0], finite=bool(finite),
+                           loss_scale=loss_scale)
+        plan = np.full((self.groups, len(PLAN)), np.nan)
+        plan[:, 0] = factor
+        plan[:, 1] = user[:, 0] * factor
+        if factor == 0.0 or not self.policy.moments_in_progress:
+            return plan
+        for row, (lr, beta1, beta2, eps, decay, t) in zip(plan, user.tolist()):
+            adam = self.adam_step(base_lr=lr, lr_factor=factor, beta1=beta1, beta2=beta2, eps=eps,
+                                  framework_step=int(t), eps_placement=self.eps_placement,
+                                  weight_decay=None if math.isnan(decay) else decay)
+            row[1:] = (adam.lr, adam.beta1, adam.beta2, adam.eps,
+                       math.nan if adam.weight_decay is None else adam.weight_decay)
+        return plan
+
     def adam_step(self, *, base_lr: float, lr_factor: float, beta1: float, beta2: float,
                   eps: float, framework_step: int, eps_placement: str,
                   weight_decay: float | None = None) -> AdamStep | None:
@@ -239,7 +294,7 @@ class Scaling:
         if self._state_agreed:
             return
         self._state_agreed = True
-        if self.hvd.size() == 1 or elastic():
+        if self.hvd.size() == 1 or self.elastic:
             return
         seen = self.hvd.allgather_object((self.policy.steps, self.policy.progress),
                                          name="hvd_scale.state")
@@ -282,11 +337,12 @@ class Scaling:
             self.policy.rescale(scale)
 
     # -- what is read --------------------------------------------------------------------------------
-    def metrics(self) -> dict[str, float]:
-        """``hvd_scale.metrics.STEP_METRICS``: the policy's, the lr the latest step applied, and
-        the guard's (nan and inf without one)."""
+    def metrics(self, policy: Policy | None = None) -> dict[str, float]:
+        """``hvd_scale.metrics.STEP_METRICS``: the policy's (``policy``: as the adapter holds it;
+        default this one), the lr the latest step applied, and the guard's (nan and inf without
+        one)."""
         guard = UNGUARDED_METRICS if self.guard is None else self.guard.metrics()
-        return {**self.policy.metrics(), "lr": self.last_lr, **guard}
+        return {**(policy or self.policy).metrics(), "lr": self.last_lr, **guard}
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def loaded_policy(self, state: dict) -> Policy:
@@ -332,8 +388,7 @@ class Readout:
 
     def metrics(self) -> dict[str, float]:
         """``hvd_scale.metrics.STEP_METRICS`` as floats (host values: read them eagerly)."""
-        self.policy  # an adapter may refresh its policy from framework state on access
-        return self.scaling.metrics()
+        return self.scaling.metrics(self.policy)
 
     def done(self, budget: float | None = None) -> bool:
         """True once progress tau has reached the budget (baseline steps)."""
@@ -341,7 +396,6 @@ class Readout:
 
     def rescale(self, scale: float | None = None) -> None:
         """New S; default: follow the world size, keeping S / (workers x k)."""
-        self.policy  # refresh first (Keras keeps the state in a variable)
         self.scaling.rescale(scale)
 
     def log_loss(self, loss) -> None:

@@ -1,27 +1,33 @@
-"""What a framework adapter provides, and what the shared half (``core.Scaling``) owns.
+"""What a framework adapter provides, and what the shared half (``core.py``) owns.
 
-A framework plugs in by implementing ``FrameworkOptimizer`` in one module (``torch.py``;
+A framework plugs in by implementing ``FrameworkOptimizer`` in its own module (``torch/``;
 ``keras/optimizer.py``, whose backend-specific collectives are in ``keras/backends.py``).
-Everything that is not a tensor operation lives once, in ``core.py``: building the policy and
-checking that every rank agrees on it, the measurement default, the statistics layout (with
-unscaling), the per-step record and log, following the world size, the read-only values and the
-checkpoint state. The math lives in the engine (``hvd_scale``), metric names in
-``hvd_scale.metrics``.
+Everything that is not a tensor operation lives once, in ``core.py``: the sequence of a step
+(``run_step``), building the policy and checking that every rank agrees on it, the measurement
+default, the statistics layout (with unscaling), the step's plan (lr factor, Adam's settings), the
+per-step record and log, following the world size, the read-only values and the checkpoint state.
+The math lives in the engine (``hvd_scale``), metric names in ``hvd_scale.metrics``, what is read
+from the environment in ``environment.py``.
 
-One optimizer step, whatever the framework:
+One optimizer step, whatever the framework (``core.run_step``):
 
-    each micro-batch:   its gradients' squared norms added to s_j, c += 1
-    once per step:      start_statistics()          local_statistics() = [s..., c], summed over workers
-                           mean_sqnorms()             q_j = |g_bar|^2 from the averaged gradient
-                           factor = scaling.step([s..., c, q...], base_lr=...)   (host, core.py)
-                           apply_step(factor)          inner update with lr x factor, this step only
+    each micro-batch:   its own gradient's squared norm added to s_j, c += 1 (the framework's
+                        business: torch's hooks, Keras's apply)
+    once per step:      statistics, finite = reduced_statistics()    [s..., c, q...] over workers
+                        plan = on_host(scaling.plan, statistics, finite, user_settings(), loss_scale())
+                        apply_step(plan)      the inner update with the plan's lr (and Adam's
+                                              betas, eps, decay), for this step only
 
-``tests/test_protocol.py`` runs a toy numpy framework through these hooks and ``core.Scaling``.
+``tests/test_protocol.py`` runs every adapter (a toy numpy framework, torch, Keras on TensorFlow
+and on torch) through these hooks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
+
+# The hooks ``core.run_step`` calls, in its order: what ``tests/test_protocol.py`` checks.
+HOOKS = ("reduced_statistics", "user_settings", "loss_scale", "on_host", "apply_step")
 
 
 class HorovodBinding(Protocol):
@@ -41,27 +47,37 @@ class HorovodBinding(Protocol):
         """``obj`` from ``root_rank`` on every rank (the policy state in ``broadcast_state``)."""
 
 
+@runtime_checkable
 class FrameworkOptimizer(Protocol):
-    """The four tensor-side hooks of an adapter's optimizer, in the framework's own ops.
+    """The hooks of an adapter's optimizer, in the framework's own ops; one signature each, for
+    every adapter. Values may be the framework's tensors (Keras traces them into a graph):
+    ``on_host`` is where they become host values.
 
     An adapter also wraps the framework's optimizer the way that framework expects (a
     ``torch.optim.Optimizer``, a ``keras.optimizers.Optimizer``) and holds a ``core.Scaling``.
     """
 
-    def local_statistics(self, *framework_args: Any) -> Any:
-        """This worker's ``[s_0..s_{G-1}, c]`` for the step: s_j sums the squared norms of each
-        micro-batch's own gradient in group j (taken before accumulation and before the
-        allreduce), c counts the micro-batches. (torch keeps the sums from its hooks; Keras
-        passes them in, as a traced graph's tensors.)"""
+    scaling: Any  # core.Scaling
 
-    def start_statistics(self) -> Any:
-        """Start the reduction of ``[s_0..s_{G-1}, c]`` over workers (``hvd_scale.reduce``'s
-        layout), ideally fused with the gradients' allreduce; returns what ``mean_sqnorms``'
-        caller waits on."""
+    def reduced_statistics(self) -> tuple[Any, Any]:
+        """(statistics, finite) for the step, after the gradients' allreduce: statistics is
+        ``[s_0..s_{G-1}, c, q_0..q_{G-1}]`` (``hvd_scale.reduce``'s step layout) summed over
+        workers, s_j the squared norms of each micro-batch's own gradient in group j, c the
+        micro-batches, q_j = |g_bar|^2 of the averaged gradient; None when nothing is measured,
+        and then ``finite`` says whether the averaged gradient is finite."""
 
-    def mean_sqnorms(self) -> Any:
-        """q_j = |g_bar|^2 per group, from the averaged gradient the allreduce produced."""
+    def user_settings(self) -> Any:
+        """A row of ``core.USER_SETTINGS`` per group: what the user's optimizer holds for this
+        step (its lr, Adam's betas and eps, the decoupled decay, the step count t; nan: none)."""
 
-    def apply_step(self, lr_factor: Any) -> Any:
-        """Apply the inner optimizer's update with every lr multiplied by ``lr_factor`` for this
-        step only; a factor of 0 is a skipped step. The user's lr is left untouched."""
+    def loss_scale(self) -> Any:
+        """The scale the gradients carry (AMP, LossScaleOptimizer), or None."""
+
+    def on_host(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` on the host with host values, its result handed back to the framework
+        (torch: a call; Keras: a host call inside the traced step)."""
+
+    def apply_step(self, plan: Any, closure: Any = None) -> Any:
+        """The inner optimizer's update with the settings of ``plan`` (a row of ``core.PLAN``
+        per group) for this step only, the user's values put back after; a factor of 0 is a
+        skipped step (nothing applied). ``closure``: torch's, passed to the inner step."""

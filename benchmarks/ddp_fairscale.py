@@ -9,7 +9,6 @@ folder above). Same models, batch and interleaving as benchmarks/torch_overhead.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,6 +18,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_overhead import MODELS, time_interleaved  # noqa: E402
+
+from hvd_scale.launch.jobs import print_result  # noqa: E402
 
 
 def worker(rank: int, world: int, args, port: int, out):
@@ -63,7 +64,7 @@ def main(argv=None):
     results = out.get(timeout=1800)
     for proc in procs:
         proc.join(timeout=60)
-    print("RESULT " + json.dumps({"rank": 0, **results}), flush=True)
+    print_result({"rank": 0, **results})
     return 0
 
 

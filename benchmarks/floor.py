@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import shlex
@@ -37,6 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_overhead import MODELS  # noqa: E402
+
+from hvd_scale.launch.jobs import print_result  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -131,7 +132,7 @@ def main_keras(args) -> list[str]:
              "with the host call | + ms |", "|---|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):
         r = run_keras(name, args.batch, args.repeats // 6)
-        print("RESULT " + json.dumps(r), flush=True)
+        print_result(r)
         lines.append(f"| {name} | {r['tensors']} | {r['params']:,} | {r['step_ms']:.2f} | "
                      f"{r['floor']:.3f} | {r['reads_ms']:.3f} | {r['floor_with_host_call']:.3f} | "
                      f"{r['reads_and_host_call_ms']:.3f} |")
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
                  "ms | the same, a kernel per tensor ms | floor |", "|---|---|---|---|---|---|---|"]
         for name in args.models.split(","):
             r = run(name, args.batch, args.repeats)
-            print("RESULT " + json.dumps(r), flush=True)
+            print_result(r)
             lines.append(f"| {name} | {r['tensors']} | {r['params']:,} | {r['step_ms']:.2f} | "
                          f"{r['read_fused_ms']:.3f} | {r['read_per_tensor_ms']:.3f} | {r['floor']:.3f} |")
     lines = ["# The floor under the statistics' cost (one process, one thread)", "", *lines, "",

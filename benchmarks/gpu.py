@@ -24,7 +24,6 @@ Prints one ``RESULT {json}`` line per model on rank 0.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -35,6 +34,7 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 import timing  # noqa: E402
+from hvd_scale.launch.jobs import print_result  # noqa: E402
 from torch_overhead import MODELS, make_variant  # noqa: E402
 
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         result = run(name, args.steps, args.warmup, args.batch, args.rounds)
         if hvd.rank() == 0:
-            print("RESULT " + json.dumps({"rank": 0, **result}), flush=True)
+            print_result({"rank": 0, **result})
     return 0
 
 

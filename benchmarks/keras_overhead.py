@@ -33,7 +33,8 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from hvd_scale.adapters.keras import DistributedOptimizer  # noqa: E402
-from hvd_scale.launch.engines import CPU_ENV_DEFAULTS  # noqa: E402
+from hvd_scale.launch.jobs import (CPU_ENV_DEFAULTS, horovodrun_command, print_result,  # noqa: E402
+                                   read_results)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402
@@ -119,20 +120,20 @@ def job(args) -> int:
     for name in args.models.split(","):
         result = run(name, args.steps, args.warmup, args.rounds, args.batch)
         if hvd.rank() == 0:
-            print("RESULT " + json.dumps({"rank": 0, **result}), flush=True)
+            print_result({"rank": 0, **result})
     return 0
 
 
 def drive(args, argv) -> int:
     """`--repeats` horovodrun jobs of this script, one after another; the median of their
     paired ratios, written to results/keras_overhead.md and .json."""
-    bin_dir = pathlib.Path(sys.executable).parent
-    cmd = [str(bin_dir / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
-           str(bin_dir / "python"), "benchmarks/keras_overhead.py", "--job",
-           "--steps", str(args.steps), "--rounds", str(args.rounds), "--models", args.models]
+    python = pathlib.Path(sys.executable).parent / "python"
+    cmd = horovodrun_command([python, "benchmarks/keras_overhead.py", "--job", "--steps",
+                              args.steps, "--rounds", args.rounds, "--models", args.models],
+                             2, controller="gloo")
     runs = []
     for _ in range(args.repeats):  # with what `hvd-scale run` sets for CPU jobs
-        runs.append({r["model"]: r for r in timing.result_lines(timing.run_job(cmd, CPU_ENV_DEFAULTS))})
+        runs.append({r["model"]: r for r in read_results(timing.run_job(cmd, CPU_ENV_DEFAULTS))})
         print({m: round(r["adascale"]["ratio_to_plain"], 3) for m, r in runs[-1].items()}, flush=True)
     lines = ["# B3: step-time overhead (Keras 3 adapter, TensorFlow backend, np 2, Gloo, 5 ms cycle, "
              "one thread per process)", "",

@@ -14,7 +14,6 @@ hvd_scale with ``none`` and ``adascale`` (SGD momentum), and plain against ``ada
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -23,8 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from hvd_scale.launch.jobs import horovodrun_command, print_result, read_results
+
 HERE = Path(__file__).resolve().parent
-BIN = Path(sys.executable).parent
 VARIANTS = (("sgd", "plain"), ("sgd", "none"), ("sgd", "adascale"), ("adam", "plain"),
             ("adam", "adascale_adam"))
 
@@ -61,10 +61,9 @@ def worker(optimizer: str, variant: str, width: int, depth: int, steps: int) -> 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     params = sum(p.numel() for p in model.parameters())
     if hvd.rank() == 0:
-        print("RESULT " + json.dumps({"optimizer": optimizer, "variant": variant, "params": params,
-                                      "tensors": 2 * depth, "grad_mb": params * 4 / 2**20,
-                                      "before_mb": before, "peak_mb": peak,
-                                      "growth_mb": peak - before}), flush=True)
+        print_result({"optimizer": optimizer, "variant": variant, "params": params,
+                      "tensors": 2 * depth, "grad_mb": params * 4 / 2**20, "before_mb": before,
+                      "peak_mb": peak, "growth_mb": peak - before})
 
 
 def run_job(optimizer: str, variant: str, args) -> dict:
@@ -75,13 +74,13 @@ def run_job(optimizer: str, variant: str, args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
            "HOROVOD_FUSION_THRESHOLD": "0"}
     proc = subprocess.run(
-        [str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
-         __file__, "--worker", optimizer, variant, "--width", str(args.width), "--depth",
-         str(args.depth), "--steps", str(args.steps)],
+        horovodrun_command([sys.executable, __file__, "--worker", optimizer, variant, "--width",
+                            args.width, "--depth", args.depth, "--steps", args.steps],
+                           2, controller="gloo"),
         env=env, capture_output=True, text=True, timeout=600)
-    for line in proc.stdout.splitlines():
-        if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])
+    found = read_results(proc.stdout)
+    if found:
+        return found[0]
     raise RuntimeError(f"{optimizer}/{variant} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
 

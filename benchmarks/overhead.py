@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = pathlib.Path(sys.executable).parent
 FAIRSCALE = pathlib.Path.home() / ".cache" / "hvd_scale" / "fairscale-0.4.13"
-from hvd_scale.launch.engines import CPU_ENV_DEFAULTS  # noqa: E402
+from hvd_scale.launch.jobs import CPU_ENV_DEFAULTS, horovodrun_command, read_results  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402
@@ -45,7 +45,7 @@ SETTINGS = {"default (1 ms)": {}, "cycle 5 ms": CYCLE5,
             "cycle 5 ms + autotune": {**CYCLE5, "HOROVOD_AUTOTUNE": "1"},
             "cycle 5 ms + no fusion": {**CYCLE5, "HOROVOD_FUSION_THRESHOLD": "0"},
             "cycle 5 ms + no response cache": {**CYCLE5, "HOROVOD_CACHE_CAPACITY": "0"}}
-CONTROLLER = {"cycle 5 ms + MPI": "--mpi"}  # others: --gloo
+CONTROLLER = {"cycle 5 ms + MPI": "mpi"}  # others: gloo
 # Not a setting here: 2 torch threads per process (4 compute threads and Horovod's on 2 cores)
 # did not finish one job in 11 minutes on 2026-11-30, against about 1 minute with 1 thread.
 MODELS = ["cnn", "mlp", "cnn2d", "transformer"]
@@ -77,14 +77,14 @@ def main(argv=None) -> int:
     ddp_runs = []
     for _ in range(args.repeats):
         for name, env in settings.items():
-            out = timing.run_job([str(BIN / "horovodrun"), CONTROLLER.get(name, "--gloo"), "-np", "2",
-                                  "-H", "localhost:2", str(BIN / "python"),
-                                  "benchmarks/torch_overhead.py"] + step_args, env, timeout=1200)
-            hvd_runs[name].append({r["model"]: r for r in timing.result_lines(out)})
+            cmd = horovodrun_command([BIN / "python", "benchmarks/torch_overhead.py", *step_args], 2,
+                                     controller=CONTROLLER.get(name, "gloo"))
+            out = timing.run_job(cmd, env, timeout=1200)
+            hvd_runs[name].append({r["model"]: r for r in read_results(out)})
             print(name, {m: round(r["plain"]["median_ms"], 1) for m, r in hvd_runs[name][-1].items()}, flush=True)
         out = timing.run_job([str(BIN / "python"), "benchmarks/ddp_fairscale.py"] + step_args,
                              {"PYTHONPATH": str(FAIRSCALE)}, timeout=1200)
-        ddp_runs.append(next(timing.result_lines(out)))
+        ddp_runs.append(read_results(out)[0])
         print("ddp", {m: round(r["ddp"]["median_ms"], 1) for m, r in ddp_runs[-1].items() if m != "rank"}, flush=True)
 
     def med(values):

@@ -23,6 +23,8 @@ import statistics
 import subprocess
 import sys
 
+from hvd_scale.launch.jobs import horovodrun_command, read_results
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = pathlib.Path(sys.executable).parent
@@ -40,18 +42,16 @@ def run_example(script: str, *, scale: int, policy: str, seed: int, lr: float, b
     if script.startswith("torch"):
         args += ["--log-every", "0"]
     args += list(extra)  # the script's own options
-    cmd = [str(BIN / "horovodrun"), "--gloo", "-np", str(workers), "-H", f"localhost:{workers}"] + args
+    cmd = horovodrun_command(args, workers, controller="gloo")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
     if log_dir is not None:
         env["HVD_SCALE_LOG_DIR"] = str(log_dir)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    for line in proc.stdout.splitlines():
-        if "RESULT " in line:
-            result = json.loads(line.split("RESULT ", 1)[1])
-            if result["rank"] == 0:
-                return {**result, "framework": script.split("_")[0], "lr": lr, "S": scale}
+    result = next((r for r in read_results(proc.stdout) if r["rank"] == 0), None)
+    if result is not None:
+        return {**result, "framework": script.split("_")[0], "lr": lr, "S": scale}
     raise RuntimeError(f"no RESULT line from rank 0:\n{proc.stdout[-2000:]}")
 
 

@@ -21,8 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hvd_scale.launch.jobs import horovodrun_command
+
 HERE = Path(__file__).resolve().parent
-BIN = Path(sys.executable).parent
 STATS = "allreduce.hvd_scale.stats"
 
 
@@ -55,10 +56,10 @@ def measure(model: str, cycle_ms: float, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         timeline = Path(tmp) / "timeline.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": str(cycle_ms)}
-        subprocess.run([str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
-                        "--timeline-filename", str(timeline), sys.executable,
-                        str(HERE / "torch_overhead.py"), "--models", model, "--variants", "adascale",
-                        "--steps", str(steps), "--warmup", "5", "--rounds", "1"],
+        subprocess.run(horovodrun_command([sys.executable, HERE / "torch_overhead.py", "--models",
+                                           model, "--variants", "adascale", "--steps", steps,
+                                           "--warmup", "5", "--rounds", "1"], 2, controller="gloo",
+                                          extra_args=["--timeline-filename", timeline]),
                        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                        timeout=600)
         lags = lags_ms(allreduce_spans(timeline))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch_overhead import MODELS  # noqa: E402
 
 from hvd_scale.adapters.torch import DistributedOptimizer  # noqa: E402
+from hvd_scale.launch.jobs import print_result  # noqa: E402
 
 
 def timed(obj, name: str, times: list) -> None:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                   f"{os.environ.get('HOROVOD_CYCLE_TIME', 'default')}: median ms per step")
             for key, ms in result["median_ms"].items():
                 print(f"  {key:34s} {ms:8.3f}")
-            print("RESULT " + json.dumps(result), flush=True)
+            print_result(result)
     return 0
 
 

@@ -1,5 +1,5 @@
 """Step timing shared by the overhead benchmarks (B2, B3, the DDP anchor, the GPU script), and
-running their jobs and parsing their result lines.
+running their jobs (their result lines: hvd_scale.launch.jobs).
 
 On a shared 2-core machine a job's speed drifts by 10-20% within a minute, so one variant's
 median against another's, each over the whole job, moves with the drift. Here the variants take
@@ -11,7 +11,6 @@ The interquartile range of the per-round ratios is reported with it.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import statistics
@@ -56,14 +55,6 @@ def summarize(times: dict[str, list[list[float]]], baseline: str) -> dict[str, d
             out[name][f"ratio_to_{baseline}"] = statistics.median(ratios)
             out[name]["ratio_iqr"] = [q1, q3]
     return out
-
-
-def result_lines(stdout: str):
-    """The ``RESULT {json}`` objects a job printed. Under mpirun the ranks' output is merged, and
-    a line can go on after the object (or hold the next one), so each object is decoded alone."""
-    decoder = json.JSONDecoder()
-    for chunk in stdout.split("RESULT ")[1:]:
-        yield decoder.raw_decode(chunk)[0]
 
 
 def run_job(cmd: Sequence[str], env_extra: Mapping[str, str], timeout: float = 1800) -> str:

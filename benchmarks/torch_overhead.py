@@ -15,7 +15,6 @@ round by round (benchmarks/timing.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters.torch import DistributedOptimizer
+from hvd_scale.launch.jobs import print_result
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402
@@ -147,7 +147,7 @@ def main(argv=None):
         result = run(name, args.steps, args.warmup, args.batch, args.rounds,
                      tuple(args.variants.split(",")))
         if hvd.rank() == 0:
-            print("RESULT " + json.dumps({"rank": 0, **result}), flush=True)
+            print_result({"rank": 0, **result})
     return 0
 
 

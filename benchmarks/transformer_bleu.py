@@ -45,6 +45,8 @@ import subprocess
 import sys
 import time
 
+from hvd_scale.launch.jobs import CPU_ENV_DEFAULTS, horovodrun_command, read_results
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 STORE = RESULTS / "bleu_runs.json"
@@ -59,8 +61,11 @@ LABELS = {"none": "none", "warmup:rule=sqrt": "sqrt + warm-up", "warmup:rule=lin
           ADAPTDL: "adascale_adam, betas fixed (AdaptDL's AdamScale)",
           ADASCALE: "**adascale_adam** (horizons in progress)"}
 # The files whose contents decide a run's numbers (the torch path: no Keras module is imported).
+# (adapters/torch.py: the adapter before it became the package adapters/torch/; an entry a
+# checkout lacks is skipped.)
 CODE = ["hvd_scale", "adapters/__init__.py", "adapters/core.py", "adapters/protocol.py",
-        "adapters/torch.py", "examples/torch_translate.py", "examples/translation_data.py"]
+        "adapters/environment.py", "adapters/torch.py", "adapters/torch",
+        "examples/torch_translate.py", "examples/translation_data.py"]
 # Where the runs import them from: a copy laid out as installed (adapters/ inside hvd_scale/), made
 # when the benchmark starts, so that edits to the tree during a long benchmark reach no run.
 SNAPSHOT: pathlib.Path | None = None
@@ -74,7 +79,7 @@ def code_hash(source: pathlib.Path = ROOT) -> str:
     h = hashlib.sha256()
     for entry in CODE:
         path = source / entry
-        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.exists() else []:
             h.update(str(f.relative_to(source)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:12]
 
@@ -118,11 +123,10 @@ def run_translate(*, scale: int, policy: str, seed: int, lr: float, budget: int,
             "--accumulate", str(scale // workers), "--batch-size", "32", "--log-every", "0"]
     if checkpointing:
         args.append("--checkpointing")
-    cmd = args if workers == 1 else \
-        [str(BIN / "horovodrun"), "--gloo", "-np", str(workers), "-H", f"localhost:{workers}"] + args
-    # HOROVOD_CYCLE_TIME=5: as `hvd-scale run` sets for CPU jobs (the 1 ms default costs wall-clock
-    # on 2 shared cores; it changes no result).
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HOROVOD_CYCLE_TIME="5")
+    cmd = args if workers == 1 else horovodrun_command(args, workers, controller="gloo")
+    # CPU_ENV_DEFAULTS' 5 ms cycle, as `hvd-scale run` sets for CPU jobs (the 1 ms default costs
+    # wall-clock on 2 shared cores; it changes no result).
+    env = {**os.environ, **CPU_ENV_DEFAULTS, "PYTHONUNBUFFERED": "1"}
     if SNAPSHOT is not None:
         env["PYTHONPATH"] = str(SNAPSHOT)
     env.pop("HVD_SCALE_LOG_DIR", None)
@@ -139,13 +143,11 @@ def run_translate(*, scale: int, policy: str, seed: int, lr: float, budget: int,
     except subprocess.TimeoutExpired:
         return {**row, "error": f"timed out after {timeout:.0f} s", "wall": time.perf_counter() - start}
     wall = time.perf_counter() - start
-    for line in proc.stdout.splitlines():
-        if "RESULT " in line:
-            result = json.loads(line.split("RESULT ", 1)[1])
-            if result["rank"] == 0:
-                for k in ("policy", "optimizer", "seed"):
-                    result.pop(k, None)
-                return {**row, **result, "wall": wall}
+    result = next((r for r in read_results(proc.stdout) if r["rank"] == 0), None)
+    if result is not None:
+        for k in ("policy", "optimizer", "seed"):
+            result.pop(k, None)
+        return {**row, **result, "wall": wall}
     return {**row, "error": f"exit {proc.returncode}, no RESULT from rank 0: "
             f"{(proc.stdout[-800:] + proc.stderr[-800:]).strip()}", "wall": wall}
 

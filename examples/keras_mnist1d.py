@@ -12,7 +12,6 @@ scale, steps, progress, test_accuracy, mean_gain).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mnist1d_data  # noqa: E402
 
 from hvd_scale.adapters.keras import BroadcastInitialState, DistributedOptimizer, ScalingMetrics
+from hvd_scale.launch.jobs import print_result
 
 
 def parse_args(argv=None):
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     if hvd.rank() == 0:
         print(f"test accuracy {accuracy:.4f} after {result['steps']} steps (tau {opt.progress:.1f})",
               flush=True)
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
     return 0
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 
 import numpy as np
 
 import hvd_scale
+from hvd_scale.launch.jobs import print_result
 from hvd_scale.reduce import LocalReducer, MPIReducer, pack_local, unpack_summed
 
 FEATURES, CLASSES = 8, 4
@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
               "checksum": hashlib.sha256(w.tobytes()).hexdigest()[:16],
               "loss_before": loss_before, "loss_after": loss_after}
     if args.report:
-        print("RESULT " + json.dumps(result), flush=True)
+        print_result(result)
     return result
 
 

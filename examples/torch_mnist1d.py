@@ -10,7 +10,6 @@ when tau reaches the budget, so runs at different scales and with different poli
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -26,6 +25,7 @@ import mnist1d_data  # noqa: E402
 from hvd_scale import lr_at, schedules  # noqa: E402
 from hvd_scale.adapters.torch import DistributedOptimizer, broadcast_state  # noqa: E402
 from hvd_scale.guard import SharpnessGuard  # noqa: E402
+from hvd_scale.launch.jobs import print_result  # noqa: E402
 
 
 def make_model() -> torch.nn.Module:
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
         print(f"done: policy {summary['policy']}, S = {summary['scale']:g}, {summary['steps']} steps "
               f"(tau {summary['progress']:.0f}), test accuracy {summary['test_accuracy']:.3f}, "
               f"mean gain {summary['mean_gain']:.2f}, {elapsed:.1f} s", flush=True)
-    print("RESULT " + json.dumps(summary), flush=True)
+    print_result(summary)
     return summary
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -33,6 +32,7 @@ import translation_data as td  # noqa: E402
 
 from hvd_scale import lr_at  # noqa: E402
 from hvd_scale.adapters.torch import DistributedOptimizer, broadcast_state  # noqa: E402
+from hvd_scale.launch.jobs import print_result  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +222,7 @@ def main(argv=None) -> dict:
         print(f"done: policy {summary['policy']}, S = {summary['scale']:g}, {summary['steps']} steps "
               f"(tau {summary['progress']:.0f}), BLEU {score:.2f}, mean gain {summary['mean_gain']:.2f}, "
               f"{elapsed:.1f} s", flush=True)
-    print("RESULT " + json.dumps(summary), flush=True)
+    print_result(summary)
     return summary
 
 

@@ -7,7 +7,7 @@ The engine (this package) is numpy only: adapters for PyTorch and Keras 3 live i
     make_policy       none | linear | sqrt | warmup | adascale | adascale_adam (policies.py)
     schedules         baseline lr schedules evaluated in scale-invariant iterations
     reduce            the statistics vector's layout and reducers (local, mpi4py, Horovod)
-    metrics           every metric name, once, and the per-step log (CSV, TensorBoard)
+    metrics           every metric name, once (the log that writes them: hvd_scale.adapters.log)
 """
 
 from . import schedules

@@ -140,7 +140,7 @@ class EstimatorState:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "EstimatorState":
-        _check_keys("estimator state", d, {"sigma2_biased", "mu2_biased", "bias_weight", "updates"})
+        check_keys("estimator state", d, {"sigma2_biased", "mu2_biased", "bias_weight", "updates"})
         arr = lambda v: None if v is None else np.asarray(v, dtype=np.float64)  # noqa: E731
         return cls(arr(d["sigma2_biased"]), arr(d["mu2_biased"]), float(d["bias_weight"]),
                    int(d["updates"]))
@@ -163,7 +163,7 @@ def ema_update(state: EstimatorState, sigma2: np.ndarray, mu2: np.ndarray,
     )
 
 
-def _check_keys(what: str, d: Mapping, expected: set) -> None:
+def check_keys(what: str, d: Mapping, expected: set) -> None:
     if not isinstance(d, Mapping):
         raise TypeError(f"{what} must be a dict, got {type(d).__name__}")
     missing, unknown = expected - set(d), set(d) - expected
@@ -277,7 +277,7 @@ class GainEstimator:
                 **self.state.to_dict()}
 
     def load_state_dict(self, d: Mapping) -> None:
-        _check_keys("GainEstimator state", d, {"version", "scale", "smoothing", "sigma2_biased",
+        check_keys("GainEstimator state", d, {"version", "scale", "smoothing", "sigma2_biased",
                                                "mu2_biased", "bias_weight", "updates"})
         if d["version"] != STATE_VERSION:
             raise ValueError(f"GainEstimator state version {d['version']!r} is not supported "

@@ -47,12 +47,13 @@ def bias_correction(beta: float, progress: float) -> float:
     return 1.0 - beta ** progress
 
 
-def moment_progress(progress: float, policy_steps: int, framework_steps: int) -> float:
+def moment_progress(progress: float, policy_steps: int, framework_steps: int, maximum=max) -> float:
     """The exponent of Adam's bias correction: tau, plus one for each update the framework made
     that the policy did not account (Horovod's ``broadcast_optimizer_state`` initializes Adam
     with one zero-gradient step; a state loaded from a plain run), taken as baseline steps. With
-    every step at gain 1 it is the framework's own count: plain Adam, bit for bit."""
-    return progress + max(0, framework_steps - policy_steps)
+    every step at gain 1 it is the framework's own count: plain Adam, bit for bit. ``maximum``:
+    a framework's elementwise maximum, for tensors inside a traced step (Keras)."""
+    return progress + maximum(framework_steps - policy_steps, 0)
 
 
 def adam_step(*, lr: float, base_lr: float, beta1: float, beta2: float, eps: float, gain: float,

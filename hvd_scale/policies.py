@@ -34,7 +34,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
-from .estimate import GainEstimator, _check_keys, check_scale
+from .estimate import GainEstimator, check_keys, check_scale
 from .metrics import POLICY_METRICS
 from .moments import bias_correction, moment_progress
 
@@ -412,7 +412,7 @@ class Policy:
         """
         if isinstance(d, Mapping) and d.get("version") == 1 and "lr_factor" not in d:
             d = {**d, "version": 2, "lr_factor": None}
-        _check_keys("policy state", d, _STATE_KEYS)
+        check_keys("policy state", d, _STATE_KEYS)
         if d["version"] not in (2, STATE_VERSION):
             raise ValueError(f"policy state version {d['version']!r} is not supported "
                              f"(expected {STATE_VERSION}, 2 or 1)")

@@ -14,8 +14,8 @@ appends it, so the step's statistics reach the host as one vector (one transfer)
     [ s_0, ..., s_{G-1}, c, q_0, ..., q_{G-1} ]      q_j = |g_bar|^2 in group j
 
 A reducer is anything with ``sum(vector) -> vector`` across workers: ``LocalReducer`` (one
-process), ``MPIReducer`` (mpi4py: the engine alone, for a framework without an adapter). The
-adapters pack the local vector into their own (asynchronous) Horovod allreduce instead, so it is
+process), ``MPIReducer`` (mpi4py: the engine alone, for a framework without an adapter);
+Horovod's are with the adapters (``hvd_scale.adapters.reducers``). The adapters pack the local vector into their own (asynchronous) Horovod allreduce instead, so it is
 fused with the gradients; the layout is what must agree.
 """
 
@@ -93,31 +93,3 @@ class MPIReducer:
         out = np.empty_like(send)
         self.comm.Allreduce(send, out, op=self._mpi.SUM)
         return out
-
-
-class HorovodTorchReducer:
-    """horovod.torch.allreduce with op=Sum, in float64 (exact for counts)."""
-
-    def __init__(self, name: str = "hvd_scale.stats"):
-        import horovod.torch as hvd
-        import torch
-
-        self._hvd, self._torch, self.name = hvd, torch, name
-
-    def sum(self, vector: np.ndarray) -> np.ndarray:
-        t = self._torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float64))
-        return self._hvd.allreduce(t, op=self._hvd.Sum, name=self.name).numpy()
-
-
-class HorovodTensorFlowReducer:
-    """horovod.tensorflow.allreduce with op=Sum, in float64 (eager)."""
-
-    def __init__(self, name: str = "hvd_scale.stats"):
-        import horovod.tensorflow as hvd
-        import tensorflow as tf
-
-        self._hvd, self._tf, self.name = hvd, tf, name
-
-    def sum(self, vector: np.ndarray) -> np.ndarray:
-        t = self._tf.constant(np.asarray(vector, dtype=np.float64))
-        return self._hvd.allreduce(t, op=self._hvd.Sum, name=self.name).numpy()

@@ -17,15 +17,18 @@ TensorFlow: one more edit, see TORCH_ONLY_EDITS), ``-cuda12.6`` or ``-gpuops-ncc
 what that format cannot tell apart.) A later run with the same KEY only installs the
 cached wheel; when it is already installed (recorded in ``<venv>/.horovod-key``) it does nothing.
 
-Standard library only: launch/setup_env.sh runs this file with the new venv's Python before the
-project is installed.
+launch/setup_env.sh runs this file with the new venv's Python before the project itself is
+installed, once pip has put filelock and packaging (pyproject.toml's dependencies) there; both are
+imported where they are used, so the module imports, and ``--help`` runs, on the standard library.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import email.parser
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -40,7 +43,10 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:
+    from packaging.version import Version
 
 HOROVOD_VERSION = "0.28.1"
 HOROVOD_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
@@ -65,7 +71,7 @@ SUPPORTED = {"torch": ((1, 5), (3, 0)), "tensorflow": ((1, 15), (3, 0))}
 CONTROLLED_FLAGS = re.compile(r"HOROVOD_WITH(OUT)?_(PYTORCH|TENSORFLOW|MXNET|GLOO|MPI)")
 # Checked (and pip-installed when missing) before a build: --no-build-isolation uses the env's own.
 BUILD_REQUIREMENTS = {"setuptools": "setuptools>=68", "wheel": "wheel", "packaging": "packaging"}
-CMAKE_MIN = (3, 13)
+CMAKE_MIN = "3.13"
 
 # Edits of our own for builds without TensorFlow, made after horovod_build_fix.py (whose sha256 is
 # in every key) and in the same way: each old text must be there exactly once. Builds that get
@@ -238,10 +244,13 @@ def parse_frameworks(values: Sequence[str] | None, option: str) -> set[str]:
 
 
 def _major_minor(version: str) -> tuple[int, int]:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if not match:
-        raise BuildError(f"cannot read the version {version!r}")
-    return int(match.group(1)), int(match.group(2))
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        raise BuildError(f"cannot read the version {version!r}") from None
+    return (release + (0,))[:2]
 
 
 def check_supported(framework: str, version: str) -> str | None:
@@ -376,7 +385,18 @@ def cache_root(cache_dir: str | None = None) -> Path:
 
 
 def cached_wheel(wheel_dir: Path) -> Path | None:
-    wheels = sorted(wheel_dir.glob(f"horovod-{HOROVOD_VERSION}-*.whl"),
+    """The newest Horovod HOROVOD_VERSION wheel in ``wheel_dir``, by its file name."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+    from packaging.version import Version
+
+    def is_ours(wheel: Path) -> bool:
+        try:
+            name, version, _, _ = parse_wheel_filename(wheel.name)
+        except InvalidWheelFilename:
+            return False
+        return name == "horovod" and version == Version(HOROVOD_VERSION)
+
+    wheels = sorted((w for w in wheel_dir.glob("*.whl") if is_ours(w)),
                     key=lambda p: p.stat().st_mtime)
     return wheels[-1] if wheels else None
 
@@ -384,19 +404,19 @@ def cached_wheel(wheel_dir: Path) -> Path | None:
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """One build per key at a time (two set-ups on one machine wait for each other)."""
-    import fcntl
+    from filelock import FileLock, Timeout
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"another build holds {path}: waiting for it")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log(f"another build holds {path}: waiting for it")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,19 +454,27 @@ def check_toolchain(env: Environment, path: str | None = None,
         raise BuildError(f"torch {env.dists.get('torch')} is a {kind} build, so Horovod builds "
                          f"its GPU code, but no nvcc/hipcc is on PATH: install the toolkit, or "
                          f"a CPU build of torch, or pass --without torch")
+    from packaging.version import Version
+
     cmake = which("cmake", env, search)
-    if cmake and cmake_version(cmake) >= CMAKE_MIN:
+    if cmake and cmake_version(cmake) >= Version(CMAKE_MIN):
         return []
-    return ["cmake>=3.13"]
+    return [f"cmake>={CMAKE_MIN}"]
 
 
-def cmake_version(cmake: str) -> tuple[int, ...]:
+def cmake_version(cmake: str) -> Version:
+    """The version ``cmake --version`` prints first ("cmake version 3.25.1"); 0 if unreadable."""
+    from packaging.version import InvalidVersion, Version
+
     try:
         out = subprocess.run([cmake, "--version"], capture_output=True, text=True).stdout
     except OSError:
-        return (0,)
-    match = re.search(r"version\s+(\d+)\.(\d+)", out)
-    return (int(match.group(1)), int(match.group(2))) if match else (0,)
+        return Version("0")
+    first = next(iter(out.splitlines()), "")
+    try:
+        return Version(first.partition("version")[2].strip())
+    except InvalidVersion:
+        return Version("0")
 
 
 def verify_sdist(path: Path) -> None:
@@ -507,18 +535,14 @@ def extract(sdist: Path, dest: Path) -> Path:
 
 
 def apply_edits(source: Path, edits: list[tuple[str, str, str, str]]) -> list[str]:
-    """Replace each old text, which must be there exactly once (as horovod_build_fix.py does)."""
-    done = []
-    for rel, old, new, why in edits:
-        path = source / rel
-        text = path.read_text()
-        count = text.count(old)
-        if count != 1:
-            raise BuildError(f"expected the text to replace exactly once in {rel} ({why}), found "
-                             f"it {count} times: is this Horovod {HOROVOD_VERSION}?")
-        path.write_text(text.replace(old, new))
-        done.append(f"patched {rel}: {why}")
-    return done
+    """horovod_build_fix.py's patch loop: each old text must be there exactly once."""
+    spec = importlib.util.spec_from_file_location("_hvd_scale_build_fix", FIX_SCRIPT)
+    fix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fix)
+    try:
+        return fix.apply_edits(source, edits)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
 
 
 def run_logged(cmd: list[str], logfile: Path, env: dict[str, str], cwd: Path,
@@ -604,14 +628,14 @@ def build_wheel(env: Environment, plan: Plan, args: argparse.Namespace, cache: P
 
 def wheel_requirements(wheel: Path) -> list[str]:
     """The wheel's unconditional dependencies (distribution names)."""
+    from packaging.requirements import Requirement
+
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
-    names = []
-    for line in text.splitlines():
-        if line.startswith("Requires-Dist:") and ";" not in line:
-            names.append(re.split(r"[\s<>=!~\[(]", line.split(":", 1)[1].strip())[0])
-    return names
+    requirements = [Requirement(r) for r in
+                    email.parser.HeaderParser().parsestr(text).get_all("Requires-Dist", [])]
+    return [r.name for r in requirements if r.marker is None]
 
 
 def installed_key(env: Environment) -> str | None:

@@ -41,22 +41,11 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from hvd_scale.launch.jobs import (CPU_ENV_DEFAULTS, GPU_ENV_DEFAULTS,  # noqa: F401
+                                   find_horovodrun, horovodrun_command)
 from hvd_scale.metrics import LOG_DIR_ENV
 from hvd_scale.policies import POLICY_ENV, parse_spec
 
-# Defaults for CPU jobs, each only when the user has not set it (benchmarks/results/overhead.md):
-# - one BLAS/OpenMP thread per worker: the workers already use every core between them, and more
-#   threads oversubscribe the cores and slow every collective down;
-# - a 5 ms Horovod cycle instead of 1 ms: each worker's background thread wakes every cycle, and
-#   on a small CPU machine those wake-ups compete with the compute; measured on 2 cores (3 jobs
-#   each), plain Horovod steps took 0.87-0.94x the time of the default on four models.
-# horovodrun's controller is left to it: MPI where Horovod has it, measured as fast as Gloo or
-# faster (0.92x on a 120-tensor MLP).
-#   Measured on CPUs only: where the driver sees a GPU, the cycle is left to Horovod (GPU steps
-#   are short, and a longer cycle would delay every allreduce); one thread per worker stays, as
-#   torchrun sets it too.
-CPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5"}
-GPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1"}
 # Device files of NVIDIA's and AMD's (ROCm) drivers: there without importing a framework.
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
 
@@ -66,9 +55,10 @@ def driver_has_gpu() -> bool:
     return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 SETUP_HINT = "run `make setup` (or `bash launch/setup_env.sh`) in the hvd_scale repository"
+# pyproject.toml's extras, where the tested versions are pinned.
 INSTALL_HINTS = {
-    "ray": "pip install 'ray==2.60.0'",
-    "spark": "pip install 'pyspark==4.3.0' pyarrow (and Java 17)",
+    "ray": "pip install 'hvd-scale[ray]'",
+    "spark": "pip install 'hvd-scale[spark]' (and Java 17)",
 }
 # A local Ray cluster's object store: Ray's default is 30% of the memory, far more than per-rank
 # results (or a command's output) need; 256 MiB keeps a small machine's memory for the workers.
@@ -487,12 +477,6 @@ def run_stoppable(cmd: Sequence[str], env: Mapping[str, str]) -> int:
 # ----------------------------------------------------------------------------------------------
 # horovodrun
 
-def find_horovodrun() -> str | None:
-    """horovodrun beside this Python (a venv's bin/), else on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    return here if os.path.exists(here) else shutil.which("horovodrun")
-
-
 HOSTNAME_CHECK_TIMEOUT_S = 10
 
 
@@ -558,19 +542,9 @@ class HorovodrunEngine:
             raise EngineUnavailable(f"horovodrun not found: {SETUP_HINT}")
 
     def command_line(self, command: Sequence[str], job: Job) -> list[str]:
-        cmd = [self.executable]
-        if job.np is not None:
-            cmd += ["-np", str(job.np)]
-        if job.min_np is not None:
-            cmd += ["--min-np", str(job.min_np)]
-        if job.max_np is not None:
-            cmd += ["--max-np", str(job.max_np)]
-        # Elastic discovery or a hostfile (the MPI Operator's /etc/mpi/hostfile) replaces -H.
-        if not {"--host-discovery-script", "--hostfile", "-hostfile"} & set(self.extra_args):
-            cmd += ["-H", self.hosts or f"localhost:{job.np or job.max_np or job.min_np}"]
-        if self.controller:
-            cmd.append(f"--{self.controller}")
-        return cmd + self.extra_args + list(command)
+        return horovodrun_command(command, job.np, hosts=self.hosts, controller=self.controller,
+                                  extra_args=self.extra_args, min_np=job.min_np,
+                                  max_np=job.max_np, executable=self.executable)
 
     def run_command(self, command: Sequence[str], job: Job) -> int:
         env = dict(os.environ)

@@ -46,21 +46,32 @@ EDITS = [
 MARKER = ".hvd_scale_build_fix"
 
 
-def apply(source_dir: pathlib.Path) -> None:
-    if (source_dir / MARKER).exists():
-        print(f"build fix already applied in {source_dir}")
-        return
-    for rel, old, new, why in EDITS:
+def apply_edits(source_dir: pathlib.Path, edits) -> list[str]:
+    """Make ``edits`` ((file, old text, new text, why), ...) in ``source_dir``; return a line for
+    each. Raises ValueError where an old text is not there exactly once (the one patch loop: the
+    builder's own edits, launch/build_horovod.py's TORCH_ONLY_EDITS, go through it too)."""
+    done = []
+    for rel, old, new, why in edits:
         path = source_dir / rel
         text = path.read_text()
         count = text.count(old)
         if count != 1:
-            raise SystemExit(
-                f"horovod_build_fix: expected the text to replace exactly once in {rel} "
-                f"({why}), found it {count} times: is this Horovod 0.28.1?"
-            )
+            raise ValueError(f"expected the text to replace exactly once in {rel} ({why}), "
+                             f"found it {count} times: is this Horovod 0.28.1?")
         path.write_text(text.replace(old, new))
-        print(f"patched {rel}: {why}")
+        done.append(f"patched {rel}: {why}")
+    return done
+
+
+def apply(source_dir: pathlib.Path) -> None:
+    if (source_dir / MARKER).exists():
+        print(f"build fix already applied in {source_dir}")
+        return
+    try:
+        for line in apply_edits(source_dir, EDITS):
+            print(line)
+    except ValueError as e:
+        raise SystemExit(f"horovod_build_fix: {e}") from None
     (source_dir / MARKER).write_text("applied\n")
 
 

@@ -15,12 +15,13 @@ VENV="${HVD_SCALE_VENV:-$ROOT/.venv}"
 CACHE="${HVD_SCALE_CACHE:-$HOME/.cache/hvd_scale}"
 PYTHON="${PYTHON:-python3.11}"
 
-# Horovod 0.28.1 and its sdist's sha256 are pinned in launch/build_horovod.py.
+# Horovod 0.28.1 and its sdist's sha256 are pinned in launch/build_horovod.py; the frameworks
+# Horovod is built against here, below (pyproject.toml gives only their lowest versions); every
+# other pin is in pyproject.toml, whose extras step 2 installs.
 TORCH_VERSION=2.13.0            # the CPU wheel on this machine's disk; never a CUDA build
 TENSORFLOW_SPEC='tensorflow-cpu==2.21.*'
-# Installed only when not there at these versions (sacrebleu: B4 and its test); pyarrow 25.0.1 is the newest on this machine's
-# disk (PyPI has 26, which works too).
-EXTRA_PINS=(ray==2.60.0 pyspark==4.3.0 pyarrow==25.0.1 sacrebleu==2.6.0)
+# The extras the tests, benchmarks and examples use (`mpi` is left out: mpi4py is built below).
+EXTRAS=torch,tensorflow,metrics,plot,ray,spark,bleu,dev
 
 log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 start=$(date +%s)
@@ -60,26 +61,14 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# The optional integrations the tests use (pyproject.toml's `ray` and `spark` extras), added to
-# the resolver run below only when not installed at these versions (the pyspark sdist is big).
-mapfile -t EXTRAS < <("$VENV/bin/python" - "${EXTRA_PINS[@]}" <<'PY'
-import importlib.metadata as m, sys
-for spec in sys.argv[1:]:
-    name, version = spec.split("==")
-    try:
-        ok = m.version(name) == version
-    except m.PackageNotFoundError:
-        ok = False
-    if not ok:
-        print(spec)
-PY
-)
-# One resolver run (each pip call costs seconds); torch is pinned in it, so nothing can
-# resolve it to a (CUDA) build from PyPI.
+# One resolver run (each pip call costs seconds): the project itself, editable, with its extras
+# (pyproject.toml's dependencies include filelock and packaging, which step 3 needs); torch is
+# pinned in it, so nothing can resolve it to a (CUDA) build from PyPI. setuptools and wheel are
+# what Horovod's --no-build-isolation build uses; cffi, cloudpickle, psutil and pyyaml are
+# Horovod's own requirements (here, they save step 3 a pip run).
 "${PIP[@]}" install 'setuptools>=68' wheel ${NEED_CMAKE:+'cmake>=3.13'} \
-    "torch==$TORCH_VERSION" "$TENSORFLOW_SPEC" 'numpy>=1.26' \
-    pytest pytest-timeout hypothesis tqdm matplotlib tensorboard scikit-learn mnist1d \
-    cffi cloudpickle psutil pyyaml packaging ${EXTRAS[@]+"${EXTRAS[@]}"}
+    "torch==$TORCH_VERSION" "$TENSORFLOW_SPEC" -e "$ROOT[$EXTRAS]" \
+    cffi cloudpickle psutil pyyaml
 # mpi4py from source, so it links Debian's OpenMPI (the one horovodrun --mpi uses).
 if ! "$VENV/bin/python" -c 'import mpi4py' 2>/dev/null; then
     log "building mpi4py against OpenMPI"
@@ -91,9 +80,6 @@ fi
 # horovod-0.28.1-torch-T-tf-TF-pyXY-fix-<sha256 of horovod_build_fix.py, 12 hex>, checks
 # the sdist against its pinned sha256, and does nothing when $VENV/.horovod-key already matches.
 "$VENV/bin/python" "$ROOT/launch/build_horovod.py" --with torch,tensorflow,mpi --cache-dir "$CACHE"
-
-# 4. The project itself, editable.
-"${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
 
 # What Horovod was built with (tests/test_environment.py checks the same, thoroughly).
 "$VENV/bin/python" - <<'PY'

@@ -10,11 +10,13 @@
 
 Worker convention: each rank prints one line ``RESULT {json}`` to stdout, the JSON object holding
 at least ``"rank"``. Workers under tests/workers/ use ``from _report import emit_result`` (the
-script's folder is on sys.path; _report imports nothing heavy), or print the line themselves. horovodrun prefixes every worker line
-(``[0]<stdout>:`` under Gloo, ``[1,0]<stdout>:`` under MPI, where OpenMPI tags chunks, not lines,
-so a long line can be cut by another rank's output); ``worker_results`` reassembles each rank's
-stdout before it looks for the tag at the start of a line. A worker may use another tag
-(``worker_results(proc, tag="METRICS")``) for a second kind of line.
+script's folder is on sys.path), which writes it with hvd_scale.launch.jobs.print_result.
+horovodrun prefixes every worker line (``[0]<stdout>:`` under Gloo, ``[1,0]<stdout>:`` under MPI,
+where OpenMPI tags chunks, not lines, so a long line can be cut by another rank's output);
+``worker_results`` reads them with hvd_scale.launch.jobs.read_results, which reassembles each
+rank's stdout first. A worker may use another tag (``worker_results(proc, tag="METRICS")``) for a
+second kind of line. The command line is hvd_scale.launch.jobs.horovodrun_command's, as the
+launcher's.
 
 Every run has a wall-clock limit. On time-out, or when the test itself is interrupted (e.g. by
 pytest-timeout), horovodrun and every process below it are killed, so no worker outlives the test.
@@ -24,9 +26,7 @@ A failed or timed-out job raises AssertionError carrying the tail of its stdout 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import pytest
+
+from hvd_scale.launch import jobs
+from hvd_scale.launch.jobs import demux_output  # noqa: F401  (tests import it from here)
 
 TESTS_DIR = Path(__file__).resolve().parent
 WORKERS_DIR = TESTS_DIR / "workers"
@@ -97,14 +100,12 @@ def horovodrun_command(
     hosts: str | bool | None = None,
     hvd_args: Iterable[str] = (),
 ) -> list[str]:
+    """horovodrun for the tests: HOROVODRUN, a controller always (gloo or mpi), -H localhost:np
+    unless hosts says otherwise (False: none, e.g. elastic jobs with discovery scripts)."""
     if controller not in ("gloo", "mpi"):
         raise ValueError(f"controller must be 'gloo' or 'mpi', not {controller!r}")
-    cmd = [str(HOROVODRUN), f"--{controller}", "-np", str(np)]
-    if hosts is not False:  # hosts=False: leave -H out (e.g. elastic jobs with discovery scripts)
-        cmd += ["-H", hosts or f"localhost:{np}"]
-    cmd += list(hvd_args)
-    cmd += [str(a) for a in args]
-    return cmd
+    return jobs.horovodrun_command(args, np, hosts=hosts, controller=controller,
+                                   extra_args=hvd_args, executable=HOROVODRUN)
 
 
 def _tail(text: str | bytes | None, n: int = TAIL_CHARS) -> str:
@@ -220,35 +221,10 @@ def run_process(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | 
     return result
 
 
-# horovodrun's per-rank prefixes: "[0]<stdout>:" (Gloo) or "[1,0]<stdout>:" (OpenMPI --tag-output).
-_PREFIX = re.compile(r"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
-
-
-def demux_output(text: str) -> dict[tuple[int | None, str], str]:
-    """Split horovodrun's combined output into one text per (rank, stream).
-
-    OpenMPI tags the chunks it reads, not whole lines: a long line can arrive as
-    "[1,0]<stdout>:RESULT {...[1,1]<stdout>:other...[1,0]<stdout>:...}". Joining each rank's pieces
-    in order restores its lines. Untagged text before the first tag (horovodrun's or mpirun's own)
-    goes to (None, ""); untagged text after a tag cannot be told apart and stays with that tag.
-    """
-    streams: dict[tuple[int | None, str], list[str]] = {}
-    key: tuple[int | None, str] = (None, "")
-    pos = 0
-    for m in _PREFIX.finditer(text):
-        if m.start() > pos:
-            streams.setdefault(key, []).append(text[pos:m.start()])
-        key = (int(m.group(1)), m.group(2))
-        pos = m.end()
-    if pos < len(text):
-        streams.setdefault(key, []).append(text[pos:])
-    return {k: "".join(v) for k, v in streams.items()}
-
-
 def worker_results(
     proc: subprocess.CompletedProcess | str,
     np: int | None = None,
-    tag: str = "RESULT",
+    tag: str = jobs.RESULT_TAG,
 ) -> list[dict]:
     """Parse the workers' ``<tag> {json}`` lines; a list of dicts sorted by their "rank".
 
@@ -256,27 +232,14 @@ def worker_results(
     (a rank may report several), in a stable order: by rank, then by order of appearance.
     """
     text = proc if isinstance(proc, str) else (proc.stdout or "")
-    pat = re.compile(rf"(?:^|\s){re.escape(tag)} (\{{.*\}})\s*$")
-    lines = [
-        line
-        for (_, stream), body in demux_output(text).items()
-        if stream != "stderr"
-        for line in body.splitlines()
-    ]
-    found = []
-    for i, line in enumerate(lines):
-        m = pat.search(line)
-        if not m:
-            continue
-        try:
-            payload = json.loads(m.group(1))
-        except json.JSONDecodeError as e:
-            raise AssertionError(f"unparsable {tag} line {line!r}: {e}") from None
-        if not isinstance(payload, dict) or "rank" not in payload:
-            raise AssertionError(f"{tag} line without a 'rank' field: {line!r}")
-        found.append((payload["rank"], i, payload))
-    found.sort(key=lambda t: (t[0], t[1]))
-    results = [p for _, _, p in found]
+    try:
+        found = jobs.read_results(text, tag)
+    except ValueError as e:
+        raise AssertionError(str(e)) from None
+    for payload in found:
+        if "rank" not in payload:
+            raise AssertionError(f"{tag} line without a 'rank' field: {tag} {payload}")
+    results = sorted(found, key=lambda p: p["rank"])  # stable: a rank's lines stay in order
     if np is not None:
         ranks = [r["rank"] for r in results]
         if ranks != list(range(np)):

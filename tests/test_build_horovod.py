@@ -379,7 +379,8 @@ def test_main_help_exits_0(capsys):
 
 @pytest.mark.parametrize("how", ["script", "module"])
 def test_runs_as_a_script_and_as_a_module(tmp_path, how):
-    """setup_env.sh runs the file before the project is installed: it needs only the stdlib."""
+    """setup_env.sh runs the file before the project is installed: importing it, and --help, need
+    only the stdlib (filelock and packaging are imported where they are used)."""
     cmd = ([sys.executable, "-S", str(SCRIPT)] if how == "script"
            else [sys.executable, "-m", "hvd_scale.launch.build_horovod"])
     out = subprocess.run(cmd + ["--help"], capture_output=True, text=True, cwd=tmp_path,

@@ -241,8 +241,8 @@ def test_cli_rejects_engine_none_and_bad_bounds(capsys):
 
 
 @pytest.mark.parametrize("engine, modules, hint", [
-    ("ray", ("ray",), "pip install 'ray==2.60.0'"),
-    ("spark", ("pyspark", "pyspark.sql"), "pip install 'pyspark==4.3.0' pyarrow"),
+    ("ray", ("ray",), "pip install 'hvd-scale[ray]'"),
+    ("spark", ("pyspark", "pyspark.sql"), "pip install 'hvd-scale[spark]'"),
 ])
 def test_cli_names_the_missing_package(monkeypatch, capsys, engine, modules, hint):
     for module in modules:

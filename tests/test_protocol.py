@@ -1,5 +1,6 @@
-"""The adapter protocol stands alone: a toy numpy framework implements the four hooks of
-``adapters/protocol.py`` and runs on ``adapters/core.Scaling`` without torch, TensorFlow or Horovod.
+"""The adapter protocol stands alone: a toy numpy framework implements the hooks of
+``adapters/protocol.py`` and runs on ``adapters/core`` (``run_step``, ``Scaling``) without torch,
+TensorFlow or Horovod; every real adapter implements the same hooks with the same signatures.
 
 The toy is one process playing one worker with k micro-batches a step, on ``LocalReducer``.
 """
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from hvd_scale import GainEstimator
-from hvd_scale.adapters.core import Scaling
+from hvd_scale.adapters.core import Scaling, run_step
 from hvd_scale.metrics import METRICS
 from hvd_scale.reduce import LocalReducer, pack_local
 
@@ -58,7 +59,7 @@ class ToyOptimizer:
         self._count += 1
         self._grad += g
 
-    # the four hooks
+    # the toy's statistics
     def local_statistics(self):
         return pack_local([self._sum], self._count)
 
@@ -69,16 +70,32 @@ class ToyOptimizer:
         self._mean = self._grad / self._count
         return np.array([self._mean @ self._mean])
 
-    def apply_step(self, lr_factor):
-        self.w = self.w - LR * lr_factor * self._mean
+    # the hooks of adapters/protocol.py
+    def reduced_statistics(self):
+        return np.concatenate([self.start_statistics(), self.mean_sqnorms()]), True
 
-    def step(self):
-        summed = self.start_statistics()
-        factor = self.scaling.step(np.concatenate([summed, self.mean_sqnorms()]), base_lr=LR)
+    def user_settings(self):
+        return [[LR, math.nan, math.nan, math.nan, math.nan, self.scaling.policy.steps + 1]]
+
+    def loss_scale(self):
+        return None
+
+    def on_host(self, fn, *args):
+        return fn(*args)
+
+    def apply_step(self, plan, closure=None):
+        (factor, lr, *_), = plan
         if factor:
-            self.apply_step(factor)
+            self.w = self.w - lr * self._mean
         self._sum, self._count, self._grad = 0.0, 0, np.zeros_like(self.w)
         return factor
+
+    def step(self):
+        return run_step(self)
+
+    @property
+    def policy(self):
+        return self.scaling.policy
 
 
 def batches(step, k, rng_seed=0):
@@ -194,6 +211,50 @@ def test_rescale_without_a_scale_keeps_the_ratio_to_the_world_size():
     assert scaling.policy.scale == 4.0  # still workers x k / 2
     scaling.rescale(3.0)
     assert scaling.policy.scale == 3.0
+
+
+def _conformance(result):
+    """The protocol checks, alike for every adapter: the hooks' signatures are the protocol's,
+    and run_step calls them in its order, once per step."""
+    from hvd_scale.adapters.protocol import HOOKS
+
+    assert result["is_protocol"]
+    assert result["signatures"] == result["expected"]
+    assert result["calls"] == list(HOOKS) * 2
+    assert result["steps"] == 2 and result["progress"] > 0 and result["moved"] > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("adapter", ["toy", "torch", "keras/tensorflow", "keras/torch"])
+def test_every_adapter_implements_the_protocol(adapter):
+    """Issue #23, 1: one step driver (core.run_step) for every adapter, one signature per hook."""
+    import importlib.util
+    import os
+    import pathlib
+
+    from hvd_scale.launch.jobs import read_results
+
+    worker = pathlib.Path(__file__).parent / "workers" / "protocol_conformance.py"
+    if adapter == "toy":
+        spec = importlib.util.spec_from_file_location("protocol_conformance", worker)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        opt = ToyOptimizer(np.zeros(3), passes=2, policy="linear")
+
+        def micro_step(i):
+            x, y = batches(i // 2, 2)
+            opt.backward(x[i % 2], y[i % 2])
+            if i % 2:
+                opt.step()
+
+        _conformance(module.check(opt, micro_step, lambda: opt.w.copy()))
+        return
+    framework, _, backend = adapter.partition("/")
+    env = {**os.environ, "KERAS_BACKEND": backend or "torch", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(worker), framework], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _conformance(read_results(out.stdout)[0])
 
 
 def test_the_shared_half_imports_no_framework():

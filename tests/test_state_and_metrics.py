@@ -1,6 +1,8 @@
-"""Engine state as data (a dict and a flat vector) and the one list of metric names.
+"""Engine state as data (a dict and a flat vector), the one list of metric names, and the metrics
+log (``hvd_scale.adapters.log``).
 
-Pure engine tests: numpy and hypothesis only (no torch, TensorFlow or Horovod).
+No torch, TensorFlow or Horovod: numpy, hypothesis and (for the log's TensorBoard files)
+tensorboardX.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hvd_scale import make_policy
-from hvd_scale.metrics import (LOGS_METRICS, METRICS, POLICY_METRICS, STEP_METRICS, MetricsLogger,
-                               check_names)
+from hvd_scale.adapters.log import MetricsLogger
+from hvd_scale.metrics import LOGS_METRICS, METRICS, POLICY_METRICS, STEP_METRICS, check_names
 from hvd_scale.policies import Policy
 from hvd_scale.reduce import step_vector_size, unpack_step
 from test_policies import ALL_SPECS, SETTINGS, build, policy_state_equal, stats

@@ -326,7 +326,7 @@ def test_one_process_measured_steps(results):
 
 @pytest.mark.timeout(180)
 def test_a_torch_job_never_imports_tensorflow(tmp_path):
-    # TensorBoard event files are still written, by hvd_scale.tb_events (stdlib only).
+    # TensorBoard event files are still written, by tensorboardX (hvd_scale.adapters.log).
     proc = run_horovod([sys.executable, str(WORKERS_DIR / "torch_no_tf_worker.py"), str(tmp_path)],
                        np=NP, timeout=150, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
     assert [r["loaded"] for r in worker_results(proc, np=NP)] == [[], []]

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import keras
 import numpy as np
 
-from hvd_scale.adapters.core import elastic
+from hvd_scale.adapters.environment import elastic
 
 
 class TensorFlowBackend:

@@ -7,7 +7,7 @@ import warnings
 
 import keras
 
-from hvd_scale.adapters.core import elastic
+from hvd_scale.adapters.environment import elastic
 from hvd_scale.metrics import LOGS_METRICS
 
 from . import backends

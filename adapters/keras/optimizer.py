@@ -10,17 +10,19 @@ operation in ``hvd_scale.adapters.core``. What this module does:
   back as their mean and are multiplied by the world size to give the sums (exact for the count;
   one rounding for the norms). |g_bar|^2 is taken from the averaged gradient, so a step costs one
   collective and one host call;
-* the engine runs on the host (``core.Scaling.step``; under TensorFlow through
-  ``tf.numpy_function``). Its state is the optimizer variable ``hvd_scale_state`` (the engine's
-  ``Policy.state_vector``), so ``model.save``, ``tf.train.Checkpoint`` and ``broadcast_state``
-  carry it, and the Python policy is a cache reloaded whenever the variable was changed behind
-  its back (a restore, a broadcast);
+* the step runs the shared sequence (``core.run_step``), its host part (``core.Scaling.plan``)
+  under TensorFlow through ``tf.numpy_function``. The engine's state is the optimizer variable
+  ``hvd_scale_state`` (``Policy.state_vector``), so ``model.save``, ``tf.train.Checkpoint`` and
+  ``broadcast_state`` carry it: each step's host part starts from the variable's value and hands
+  the new one back, and reading ``policy`` gives a policy built from the variable, changing
+  nothing (the Python policy holds only the spec and S);
 * the step's lr is ``lr(floor(tau)) x factor``: the inner optimizer sees this value for the one
   ``apply`` call and nothing is written to the user's lr variable or ``LearningRateSchedule``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -28,8 +30,9 @@ import keras
 import numpy as np
 from keras import ops
 
-from hvd_scale.adapters.core import Readout, Scaling
-from hvd_scale.moments import EPS_RAW
+from hvd_scale.adapters import environment
+from hvd_scale.adapters.core import PLAN, USER_SETTINGS, Readout, Scaling, precondition, run_step
+from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
 
 from . import backends
@@ -52,9 +55,6 @@ _INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "
 # For adascale_adam: the Adam family's second-moment hyperparameters (its `_velocities` exist
 # once built).
 _ADAM_SLOTS = ("beta_2", "epsilon")
-# What the host step returns besides the state: the lr factor (0: skipped), then the step's lr,
-# beta_1, beta_2, epsilon and weight decay where adascale_adam sets Adam's moments.
-_SETTINGS = ("lr_factor", "lr", "beta_1", "beta_2", "epsilon", "weight_decay")
 
 
 def _lr_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -130,7 +130,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         scaling = Scaling(backend.hvd, policy=policy, passes=backward_passes_per_step, scale=scale,
                           budget=budget, optimizer_name=optimizer_name,
                           framework=f"keras/{backend.name}", groups=GROUPS, measure=measure,
-                          log_dir=log_dir, nonfinite=nonfinite, base_lrs=base_lrs, agreed=agreed)
+                          log_dir=environment.log_dir(log_dir), nonfinite=nonfinite,
+                          base_lrs=base_lrs, agreed=agreed, elastic=environment.elastic(),
+                          eps_placement=EPS_RAW)
         if scaling.policy.statistics == "preconditioned" and \
                 not all(hasattr(owner, a) for a in _ADAM_SLOTS):
             raise ValueError(f"policy {scaling.policy.name!r} measures Adam-preconditioned "
@@ -144,12 +146,13 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         self._backend = backend
         self._config = {"scale": scale, "budget": budget, "measure": measure,
                         "nonfinite": nonfinite}
-        self._mirror: np.ndarray | None = None  # the state vector the cached policy holds
+        # The step being traced: (local or mean grads, variables, s, c). Set past Keras's
+        # attribute tracking, which would add the model's variables to the optimizer's.
+        object.__setattr__(self, "_traced", None)
 
     # -- Keras optimizer protocol ----------------------------------------------------------------
     def build(self, var_list):
-        self._mirror = self.scaling.policy.state_vector(GROUPS)
-        initial = self._mirror.copy()
+        initial = self.scaling.policy.state_vector(GROUPS)
         self._state = self.add_variable(
             shape=initial.shape, dtype="float64", aggregation="none", name="hvd_scale_state",
             initializer=lambda shape, dtype=None: ops.convert_to_tensor(initial, "float64"))
@@ -218,39 +221,103 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
 
         ops.cond(self._micro_steps.value >= self.backward_passes_per_step, step, lambda: None)
 
-    # -- the protocol's hooks (adapters/protocol.py) ----------------------------------------------
-    def local_statistics(self, local_sqnorm, count):
-        """[s, c]: this worker's summed squared micro-gradient norms and its micro-batch count."""
-        return ops.stack([local_sqnorm, ops.cast(count, "float64")])
+    # -- the hooks of adapters/protocol.py ------------------------------------------------------
+    def _step(self, local_grads, variables, local_sqnorm, count):
+        """One optimizer step from this worker's summed micro-gradients and statistics."""
+        object.__setattr__(self, "_traced", (local_grads, variables, local_sqnorm, count))
+        try:
+            run_step(self)
+        finally:
+            object.__setattr__(self, "_traced", None)
 
-    def start_statistics(self, local_grads, local_sqnorm, count):
+    def reduced_statistics(self):
         """One grouped allreduce (op=Average) of the gradients and, when measured, [s, c] in their
-        dtype (so that it joins their group). Returns (mean gradients, [s, c] summed or None).
-        In float32 s could overflow (from 3.4e38 on: |g| ~ 1.8e19, finite gradients): it also
-        travels times ``_WIDE`` and is taken from there where the plain sum did not fit."""
+        dtype (so that it joins their group); then [s, c, q], q = |g_bar|^2 of the mean
+        micro-gradient, or None with the averaged gradient's finiteness. In float32 s could
+        overflow (from 3.4e38 on: |g| ~ 1.8e19, finite gradients): it also travels times
+        ``_WIDE`` and is taken from there where the plain sum did not fit."""
+        local_grads, variables, local_sqnorm, count = self._traced
         tensors = list(local_grads)
-        if self.scaling.measure:
+        measure = self.scaling.measure
+        if measure:
             float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
-            local = self.local_statistics(local_sqnorm, count)
+            local = ops.stack([local_sqnorm, ops.cast(count, "float64")])
             tensors.append(ops.cast(ops.concatenate([local[:1], local[:1] * _WIDE, local[1:]]),
                                     "float64" if float64 else "float32"))
         reduced = self._backend.allreduce_average(tensors, ALLREDUCE_NAME)
         mean = reduced[:len(local_grads)]
         if self.backward_passes_per_step > 1:  # the mean micro-gradient
             mean = [g / ops.cast(self.backward_passes_per_step, g.dtype) for g in mean]
-        if not self.scaling.measure:
-            return mean, None
+        object.__setattr__(self, "_traced", (mean, variables, None, None))
+        if not measure:
+            # One fused read per tensor, as the statistics' (an isfinite and an all per tensor
+            # cost twice the ops): the squared norm is finite when every element is (a square
+            # overflowing float32 is skipped too, as a measured step's statistics would be).
+            return None, ops.isfinite(self._backend.sum_of_squares(mean))
         summed = ops.cast(reduced[-1], "float64") * self._backend.world_size()
         s = ops.where(ops.isfinite(summed[:1]), summed[:1], summed[1:2] / _WIDE)
-        return mean, ops.concatenate([s, summed[2:]])
+        q = ops.reshape(self._sqnorm_of(mean, variables), (1,))
+        return ops.concatenate([s, summed[2:], q]), ops.convert_to_tensor(True)
 
-    def mean_sqnorms(self, mean_grads, variables):
-        """[q]: |g_bar|^2 of the averaged (mean micro-) gradient."""
-        return ops.reshape(self._sqnorm_of(mean_grads, variables), (1,))
+    def user_settings(self):
+        """[[lr(floor(tau)), beta_1, beta_2, epsilon, weight decay, t]] (``core.USER_SETTINGS``;
+        nan where the optimizer has none), float64."""
+        owner = _lr_owner(self.inner_optimizer)
+        base_lr = self._base_learning_rate(self._state.value[_PROGRESS])
 
-    def apply_step(self, grads, variables, lr, adam=None):
-        """inner.apply with the step's lr (and, for adascale_adam, the step's beta_1, beta_2,
-        epsilon and weight decay: ``hvd_scale.moments``); the user's attributes are put back."""
+        def setting(name):
+            value = getattr(owner, name, None)
+            return math.nan if value is None else value
+
+        row = [base_lr] + [setting(a) for a in ("beta_1", "beta_2", "epsilon", "weight_decay")] + \
+            [ops.cast(owner.iterations, "float64") + 1.0]
+        assert len(row) == len(USER_SETTINGS)
+        return ops.reshape(ops.stack([ops.cast(v, "float64") for v in row]), (1, len(USER_SETTINGS)))
+
+    def loss_scale(self):
+        inner = self.inner_optimizer
+        scale = inner.dynamic_scale.value if isinstance(inner, keras.optimizers.LossScaleOptimizer) \
+            else inner.loss_scale_factor
+        return ops.convert_to_tensor(1.0 if scale is None else scale, "float64")
+
+    def on_host(self, fn, *args):
+        """``fn(statistics, finite, user_settings, loss_scale)`` on the host (a host call inside
+        a traced step), starting from the state variable's value and writing the new one back:
+        the Python policy never runs ahead of the variable."""
+        statistics, finite, user_settings, loss_scale = args
+        measured = statistics is not None
+        if not measured:
+            statistics = ops.zeros((3,), "float64")
+
+        def host(state, statistics, finite, user_settings, loss_scale):
+            self.scaling.policy.load_state_vector(np.asarray(state, dtype=np.float64), GROUPS)
+            plan = fn(statistics if measured else None, bool(finite), user_settings,
+                      float(loss_scale))
+            return self.scaling.policy.state_vector(GROUPS), np.asarray(plan, dtype=np.float64)
+
+        new_state, plan = self._backend.host_call(
+            host, [self._state.value, statistics, finite, user_settings, loss_scale],
+            name="hvd_scale_policy_step")
+        self._state.assign(ops.reshape(new_state, self._state.shape))
+        return ops.reshape(plan, (GROUPS, len(PLAN)))
+
+    def apply_step(self, plan, closure=None):
+        """inner.apply with the plan's lr (and, for adascale_adam, the step's beta_1, beta_2,
+        epsilon and weight decay: ``hvd_scale.moments``); the user's attributes are put back. A
+        factor of 0 applies nothing (a LossScaleOptimizer still sees the step, with lr 0)."""
+        grads, variables, _, _ = self._traced
+        factor, lr, adam = plan[0, 0], plan[0, 1], None
+        if self.scaling.policy.moments_in_progress:  # the same on every rank: fixed by the spec
+            dtype = keras.backend.standardize_dtype(variables[0].dtype)
+            adam = [ops.cast(plan[0, i], dtype) for i in range(2, 6)]
+        if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            # It checks finiteness itself (same averaged gradient on every rank) and must see an
+            # overflow to lower its scale; a skipped step reaches it with lr 0.
+            self._apply_inner(grads, variables, lr, adam)
+        else:
+            ops.cond(factor > 0, lambda: self._apply_inner(grads, variables, lr, adam), lambda: None)
+
+    def _apply_inner(self, grads, variables, lr, adam):
         owner = _lr_owner(self.inner_optimizer)
         swaps = {"_learning_rate": lr}
         if adam is not None:
@@ -268,61 +335,6 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             for key, value in saved.items():
                 object.__setattr__(owner, key, value)
 
-    def _step(self, local_grads, variables, local_sqnorm, count):
-        """One optimizer step from this worker's summed micro-gradients and statistics."""
-        mean, summed = self.start_statistics(local_grads, local_sqnorm, count)
-        if summed is not None:
-            stats = ops.concatenate([summed, self.mean_sqnorms(mean, variables)])
-            finite = ops.convert_to_tensor(True)  # the host checks the statistics themselves
-        else:
-            stats = ops.zeros((3,), "float64")
-            # One fused read per tensor, as the statistics' (an isfinite and an all per tensor
-            # cost twice the ops): the squared norm is finite when every element is (a square
-            # overflowing float32 is skipped too, as a measured step's statistics would be).
-            finite = ops.isfinite(self._backend.sum_of_squares(mean))
-        loss_scale = self._loss_scale()
-        loss_scale = ops.convert_to_tensor(1.0 if loss_scale is None else loss_scale, "float64")
-        base_lr = ops.cast(self._base_learning_rate(self._state.value[_PROGRESS]), "float64")
-        owner = _lr_owner(self.inner_optimizer)
-        new_state, settings = self._backend.host_call(
-            self._host_step, [self._state.value, stats, finite, base_lr, loss_scale,
-                              ops.cast(owner.iterations, "float64")],
-            name="hvd_scale_policy_step")
-        new_state = ops.reshape(new_state, self._state.shape)
-        settings = ops.reshape(settings, (len(_SETTINGS),))
-        factor = settings[0]
-        self._state.assign(new_state)
-        lr, adam = base_lr * factor, None
-        if self.scaling.policy.moments_in_progress:  # the same on every rank: fixed by the spec
-            dtype = keras.backend.standardize_dtype(variables[0].dtype)
-            lr = settings[1]
-            adam = [ops.cast(settings[i], dtype) for i in range(2, len(_SETTINGS))]
-        if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            # It checks finiteness itself (same averaged gradient on every rank) and must see an
-            # overflow to lower its scale; a skipped step reaches it with lr 0.
-            self.apply_step(mean, variables, lr, adam)
-        else:
-            ops.cond(factor > 0, lambda: self.apply_step(mean, variables, lr, adam), lambda: None)
-
-    def _host_step(self, state, stats, finite, base_lr, loss_scale, iterations):
-        """The engine's step, on the host: (new state vector, ``_SETTINGS``: the lr factor, 0 for
-        a skipped step, and for adascale_adam the step's lr, betas, eps and decay)."""
-        self._load_vector(state)
-        base_lr = float(base_lr)
-        factor = self.scaling.step(stats if self.scaling.measure else None, base_lr=base_lr,
-                                   finite=bool(finite), loss_scale=float(loss_scale))
-        self._mirror = self.scaling.policy.state_vector(GROUPS)
-        owner = _lr_owner(self.inner_optimizer)
-        moments = factor != 0.0 and self.scaling.policy.moments_in_progress
-        adam = None if not moments else self.scaling.adam_step(
-            base_lr=base_lr, lr_factor=factor, beta1=owner.beta_1, beta2=owner.beta_2,
-            eps=owner.epsilon, framework_step=int(iterations) + 1, eps_placement=EPS_RAW,
-            weight_decay=owner.weight_decay)
-        settings = [factor, base_lr * factor, math.nan, math.nan, math.nan, math.nan] \
-            if adam is None else [factor, adam.lr, adam.beta1, adam.beta2, adam.eps,
-                                  math.nan if adam.weight_decay is None else adam.weight_decay]
-        return self._mirror.copy(), np.asarray(settings, dtype=np.float64)
-
     def _base_learning_rate(self, progress):
         """The user's lr for the step at progress tau: a schedule runs at floor(tau)."""
         lr = _lr_owner(self.inner_optimizer)._learning_rate
@@ -335,12 +347,6 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         return lr
 
     # -- statistics ------------------------------------------------------------------------------
-    def _loss_scale(self):
-        inner = self.inner_optimizer
-        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
-            return inner.dynamic_scale.value
-        return inner.loss_scale_factor
-
     def _sqnorm_of(self, grads, variables):
         # In the backend's own fused kernels (a few ops per tensor add up over many tensors).
         return self._backend.sum_of_squares(self._precondition(grads, variables))
@@ -356,8 +362,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         exponent = t
         if self.scaling.policy.moments_in_progress:
             state = ops.cast(self._state.value, "float32")
-            exponent = state[_PROGRESS] + ops.maximum(t - state[_STEPS], 0.0)
-        bias_correction2 = 1.0 - ops.power(ops.cast(owner.beta_2, "float32"), exponent)
+            exponent = moment_progress(state[_PROGRESS], state[_STEPS], t, maximum=ops.maximum)
+        bias_correction2 = bias_correction(ops.cast(owner.beta_2, "float32"), exponent)
         velocities = getattr(owner, "_velocities", None)
         if velocities is None:
             raise ValueError(f"policy {self.scaling.policy.name!r} needs the second moment of "
@@ -368,27 +374,22 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             if velocity is None:
                 out.append(g)
                 continue
-            v_hat = velocity.value / ops.cast(ops.maximum(bias_correction2, 1e-30), velocity.dtype)
-            denom = ops.cast(ops.sqrt(v_hat) + ops.cast(owner.epsilon, velocity.dtype), g.dtype)
+            correction = ops.cast(ops.maximum(bias_correction2, 1e-30), velocity.dtype)
+            ratio = precondition(ops.cast(g, velocity.dtype), velocity.value, correction,
+                                 ops.cast(owner.epsilon, velocity.dtype), ops.sqrt)
             # First step: no second moment yet, the plain gradient (as the torch adapter).
-            out.append(ops.where(t > 0, g / denom, g))
+            out.append(ops.where(t > 0, ops.cast(ratio, g.dtype), g))
         return out
 
     # -- the engine's state in a variable -----------------------------------------------------------
-    def _load_vector(self, vector) -> None:
-        """Reload the cached policy from the state variable's value when it changed elsewhere."""
-        vector = np.asarray(vector, dtype=np.float64)
-        if self._mirror is not None and vector.tobytes() == self._mirror.tobytes():
-            return
-        self.scaling.policy.load_state_vector(vector, GROUPS)
-        self._mirror = vector.copy()
-
     @property
     def policy(self) -> Policy:
-        """The engine's policy, synchronized with ``hvd_scale_state`` (read it eagerly)."""
+        """The engine's policy as ``hvd_scale_state`` holds it (read it eagerly): a new object
+        each read, so reading changes nothing; before the first build, the initial policy."""
+        policy = copy.deepcopy(self.scaling.policy)
         if self.built and self._backend.eager():
-            self._load_vector(ops.convert_to_numpy(self._state.value))
-        return self.scaling.policy
+            policy.load_state_vector(ops.convert_to_numpy(self._state.value), GROUPS)
+        return policy
 
     # -- forwarded to the inner optimizer ---------------------------------------------------------
     @property

@@ -5,10 +5,10 @@ Imports nothing heavy: each worker passes its framework's ``hvd`` module.
 
 import argparse
 import itertools
-import json
 import os
-import sys
 import time
+
+from _report import emit_result
 
 _SEQUENCE = itertools.count()
 _FIRST_RANK = []  # this process's rank at its first step (ranks change on a resize)
@@ -32,9 +32,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def emit(hvd, **values) -> None:
     # pid and seq: a worker's rank changes on a resize, its process and its own order do not.
-    record = {"rank": hvd.rank(), "pid": os.getpid(), "seq": next(_SEQUENCE), **values}
-    sys.stdout.write("RESULT " + json.dumps(record) + "\n")
-    sys.stdout.flush()
+    emit_result(rank=hvd.rank(), pid=os.getpid(), seq=next(_SEQUENCE), **values)
 
 
 def after_step(hvd, args, state, opt) -> None:

@@ -4,25 +4,23 @@
     emit_result(rank=hvd.rank(), size=hvd.size(), value=[...])
     emit_result(rank=hvd.rank(), error=error_of(lambda: make_something_bad()))
 
-Prints one ``RESULT {json}`` line (another tag with ``tag=``) and flushes. Kept free of heavy
-imports so that workers stay quick to start.
+Prints one ``RESULT {json}`` line (another tag with ``tag=``) with hvd_scale.launch.jobs'
+print_result (one write), after checking that it holds the worker's rank.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any, Callable, Mapping
 
+from hvd_scale.launch.jobs import RESULT_TAG, print_result
 
-def emit_result(payload: Mapping[str, Any] | None = None, tag: str = "RESULT", **fields: Any) -> None:
+
+def emit_result(payload: Mapping[str, Any] | None = None, tag: str = RESULT_TAG,
+                **fields: Any) -> None:
     data = dict(payload or {}, **fields)
     if "rank" not in data:
         raise ValueError("a worker result needs a 'rank' field")
-    # One write, newline included: print() writes the text and its newline separately, and
-    # under PYTHONUNBUFFERED=1 OpenMPI can then tag them as two chunks (hvdrun copes either way).
-    sys.stdout.write(f"{tag} {json.dumps(data, sort_keys=True)}\n")
-    sys.stdout.flush()
+    print_result(data, tag)
 
 
 def error_of(make: Callable[[], Any]) -> str | None:

@@ -11,12 +11,12 @@ here, in __main__, so Ray and Spark pickle it by value: the workers need not imp
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 import tempfile
 
+from _report import emit_result
 from hvd_scale.launch import engines
 
 
@@ -75,5 +75,4 @@ JOBS = {"ray-two-nodes": ray_two_nodes, "ray-elastic": ray_elastic, "spark-fn": 
 
 if __name__ == "__main__":
     for result in JOBS[sys.argv[1]]():
-        sys.stdout.write("RESULT " + json.dumps(result, sort_keys=True) + "\n")
-    sys.stdout.flush()
+        emit_result(result)

@@ -11,7 +11,6 @@ The model.fit cases (fit, fit_accumulate, checkpoint) run on either Keras backen
 import argparse
 import csv
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -22,7 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 
-from _report import error_of
+from _report import emit_result, error_of
 from hvd_scale import GainEstimator
 from hvd_scale.adapters.keras import (BroadcastInitialState, CommitState, DistributedOptimizer,
                                       ElasticState, ScalingMetrics, broadcast_state, hvd)
@@ -36,8 +35,7 @@ LR = 0.05
 
 
 def emit(case, **values):
-    print("RESULT " + json.dumps({"case": case, "rank": hvd.rank(), "backend": keras.backend.backend(),
-                                  **values}), flush=True)
+    emit_result({"case": case, "rank": hvd.rank(), "backend": keras.backend.backend(), **values})
 
 
 def make_model(seed=0, dtypes=(None, None)):

@@ -11,11 +11,12 @@ the k x workers micro-gradients, so weights, sigma2 and mu2 agree too, for k in 
 """
 
 import argparse
-import json
 import os
 import sys
 
 import numpy as np
+
+from _report import emit_result
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -42,7 +43,7 @@ def micro_batch(rank, step, k_pass):
 
 
 def emit(rank, **values):
-    print("RESULT " + json.dumps({"rank": rank, **values}), flush=True)
+    emit_result({"rank": rank, **values})
 
 
 def run_torch(k, adam=False):

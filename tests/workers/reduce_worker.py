@@ -10,7 +10,6 @@ that the float64 sums are exact and would not be in float32 (the 2**-40 term).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
+
+from hvd_scale.launch.jobs import print_result, result_line  # noqa: E402
 
 STEPS = 3
 GROUPS = 3
@@ -48,26 +49,22 @@ def make_reducer(backend: str):
         import horovod.torch as hvd
 
         hvd.init()
-        return reduce.HorovodTorchReducer(), hvd.rank(), hvd.size(), hvd.shutdown
+        from hvd_scale.adapters.reducers import HorovodTorchReducer
+        return HorovodTorchReducer(), hvd.rank(), hvd.size(), hvd.shutdown
     if backend == "tensorflow":
         import horovod.tensorflow as hvd
 
         hvd.init()
-        return reduce.HorovodTensorFlowReducer(), hvd.rank(), hvd.size(), hvd.shutdown
+        from hvd_scale.adapters.reducers import HorovodTensorFlowReducer
+        return HorovodTensorFlowReducer(), hvd.rank(), hvd.size(), hvd.shutdown
     raise SystemExit(f"unknown backend {backend!r}: mpi4py, torch or tensorflow")
 
 
 def emit_result(**fields) -> None:
-    """One ``RESULT {json}`` line (the format of _report.emit_result), written with ONE write(2).
-
-    print() under PYTHONUNBUFFERED=1 (which hvdrun sets) writes the text and the newline in two
-    system calls, and mpirun then can splice the other rank's line in between, leaving two
-    results on one line. A single write of less than PIPE_BUF bytes to a pipe is atomic.
-    """
-    data = f"RESULT {json.dumps(fields, sort_keys=True)}\n".encode()
-    assert len(data) < 4096, len(data)
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), data)
+    """One ``RESULT {json}`` line, short enough (under PIPE_BUF) for print_result's one write(2)
+    to be atomic: mpirun cannot splice the other rank's output into it."""
+    assert len(result_line(fields)) < 4096, len(result_line(fields))
+    print_result(fields)
 
 
 def main(argv: list[str]) -> int:

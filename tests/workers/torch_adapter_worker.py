@@ -16,7 +16,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from _report import error_of
+from _report import emit_result, error_of
 from hvd_scale import GainEstimator
 from hvd_scale.adapters.torch import DistributedOptimizer, ScaleInvariantScheduler, broadcast_state
 
@@ -24,7 +24,7 @@ LR = 0.05
 
 
 def emit(case, **values):
-    print("RESULT " + json.dumps({"case": case, "rank": hvd.rank(), **values}), flush=True)
+    emit_result({"case": case, "rank": hvd.rank(), **values})
 
 
 class WithUnused(torch.nn.Module):

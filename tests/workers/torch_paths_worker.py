@@ -2,13 +2,13 @@
 checkpointing, short and uneven steps, unfreezing, unmeasured non-finite steps), each printing
 RESULT lines for tests/test_training_paths.py."""
 
-import json
 import sys
 
 import horovod.torch as hvd
 import torch
 import torch.utils.checkpoint as ckpt
 
+from _report import emit_result
 from hvd_scale import GainEstimator
 from hvd_scale.adapters.torch import DistributedOptimizer
 
@@ -16,8 +16,7 @@ LR = 0.05
 
 
 def emit(case, **values):
-    sys.stdout.write("RESULT " + json.dumps({"case": case, "rank": hvd.rank(), **values}) + "\n")
-    sys.stdout.flush()
+    emit_result({"case": case, "rank": hvd.rank(), **values})
 
 
 def micro_batch(rank, step, k_pass, size=16):

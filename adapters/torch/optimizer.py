@@ -1,31 +1,20 @@
-"""PyTorch adapter: ``hvd.DistributedOptimizer`` plus a learning-rate policy, in one line.
+"""The torch optimizer: the hooks of ``adapters/protocol.py`` in torch, and nothing more (the
+math is in the engine, the sequence of a step and everything that is not a tensor operation in
+``adapters/core.py``):
 
-    import horovod.torch as hvd
-    from hvd_scale.adapters.torch import DistributedOptimizer
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), policy="adascale")
-    while not opt.done(budget):          # budget in baseline (S = 1) steps
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-What this module does, and nothing more: the four hooks of ``adapters/protocol.py`` in torch
-(the math is in the engine, the rest of a step in ``adapters/core.py``):
-
-* local statistics: the norm of each backward pass's own gradient, a 0-d tensor (no ``.item()``
-  per parameter, no gradient-sized copy), taken before Horovod's in-place allreduce. With one
-  pass per step, Horovod's own hook hands each gradient over and it is sent with its bucket
-  right after one fused norm kernel over the bucket; with accumulation, a tensor hook on every
-  parameter sees each pass's gradient before it is added into p.grad;
-* the per-group sums of squared norms and the micro-batch count (the engine's layout) go out in one
-  small asynchronous allreduce started just before Horovod waits on the gradients, so it is fused
-  with the gradient traffic instead of adding a blocking collective;
+* local statistics: the norm of each backward pass's own gradient (no ``.item()`` per parameter,
+  no gradient-sized copy), taken before Horovod's in-place allreduce. With one pass per step,
+  Horovod's own hook hands each gradient over and it is sent with its bucket right after one
+  fused norm kernel over the bucket; with accumulation, a tensor hook on every parameter sees
+  each pass's gradient before it is added into p.grad;
+* the per-group sums of squared norms and the micro-batch count (the engine's layout) go out in
+  one small asynchronous allreduce started just before Horovod waits on the gradients, so it is
+  fused with the gradient traffic instead of adding a blocking collective;
 * ``p.grad`` becomes the mean of the step's micro-gradients (in place, on the device), and
   |g_bar|^2 per group is taken from it; the only host transfer of the step brings these 2G + 1
-  numbers back;
-* the policy's lr factor multiplies each group's lr for the inner step, then the user's lr is
-  restored, so torch lr schedulers keep working on the baseline lr.
+  numbers back (``reduced_statistics``);
+* the plan's lr (and Adam's settings) are set on each group for the inner step, then the user's
+  values are restored, so torch lr schedulers keep working on the baseline lr (``apply_step``).
 
 One gain for the whole model (the paper's choice): the engine sums sigma2 and mu2 over groups.
 """
@@ -33,17 +22,21 @@ One gain for the whole model (the paper's choice): the engine sums sigma2 and mu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-import pickle
 from typing import Any
 
 import horovod.torch as hvd
 import torch
 
-from hvd_scale.adapters.core import Readout, Scaling
+from hvd_scale.adapters import environment
+from hvd_scale.adapters.core import USER_SETTINGS, Readout, Scaling, precondition, run_step
 from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
+
+from .hessian import hessian_top_eigenvalue
+from .process_set import ProcessSetBinding
 
 STATS_NAME = "hvd_scale.stats"
 SHARPNESS_NAME = "hvd_scale.sharpness"
@@ -111,6 +104,37 @@ def _check_op(op) -> None:
                          f"{why}; use op=hvd.Average (or hvd.Sum)")
 
 
+def _number(value) -> float:
+    """A group's setting as a float for the host (nan where it is none: ``check_lrs`` names it)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+@dataclasses.dataclass
+class _StepState:
+    """What one optimizer step gathers between its first backward pass and ``step()``, in one
+    record: made in one place (``DistributedOptimizer._new_step``), at construction and on load."""
+
+    norms: list[list[torch.Tensor]]  # per group: norm vectors of this step's gradients so far
+    fired: list[int]  # per hooked parameter: its gradients this step
+    fired_total: int = 0  # gradients seen this step, all parameters
+    bucket: list = dataclasses.field(default_factory=list)  # parameters waiting to be sent
+    bucket_elements: int = 0
+    stats_handle: Any = None  # the statistics allreduce in flight
+    pending: torch.Tensor | None = None  # [s..., c, q...] after synchronize, until step()
+    synchronized: bool = False  # synchronize() ran for this step
+    guard_loss: Any = None  # step(guard_loss=...): the lr guard's loss function
+
+    def counted(self) -> None:
+        """The norms and counts went into the statistics: the next pass starts from zero."""
+        for group_norms in self.norms:
+            group_norms.clear()
+        self.fired = [0] * len(self.fired)
+        self.fired_total = 0
+
+
 class DistributedOptimizer(Readout, torch.optim.Optimizer):
     """Wrap any torch optimizer: Horovod gradient averaging plus an lr scaling policy.
 
@@ -159,12 +183,16 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         process_set = horovod_options.get("process_set", hvd.global_process_set)
         # S, n, the agreement and the statistics live within the process set, as the gradients do.
         self._process_set = process_set
-        self.scaling = Scaling(_ProcessSetBinding(process_set), policy=policy,
+        self.scaling = Scaling(ProcessSetBinding(process_set), policy=policy,
                                passes=backward_passes_per_step, scale=scale, budget=budget, optimizer_name=type(optimizer).__name__,
                                framework="torch", groups=len(optimizer.param_groups),
                                base_lrs=[g.get("lr") for g in optimizer.param_groups],
-                               measure=measure, log_dir=log_dir, nonfinite=nonfinite,
-                               short_steps=True, guard=guard, check=lambda _: _check_op(op))
+                               measure=measure, log_dir=environment.log_dir(log_dir),
+                               nonfinite=nonfinite, short_steps=True, guard=guard,
+                               check=lambda _: _check_op(op), elastic=environment.elastic(),
+                               lr_names=[f"param_groups[{i}]['lr']"
+                                         for i in range(len(optimizer.param_groups))],
+                               eps_placement=EPS_CORRECTED)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self._measure = self.scaling.measure
@@ -183,20 +211,14 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self.param_groups = self._hvd_opt.param_groups
         self.state = self._hvd_opt.state
 
-        self._norms: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
         float64 = any(p.dtype == torch.float64 for p in self._params())
         self._stats_dtype = torch.float64 if float64 else torch.float32  # on the wire
-        self._pending: torch.Tensor | None = None  # this step's [sums, count, q] after synchronize
-        self._stats_handle = None  # the statistics allreduce in flight
-        self._synchronized = False
         self._skip_sync = False
         # Parameters Horovod and the hooks know: a later unfreezing is refused at the next step.
         self._frozen = [p for p in self._params() if not p.requires_grad]
         self._hooks = []
-        self._fired: list[int] = []  # per hooked parameter: its gradients since the last step
         trained = [(gi, p) for gi, group in enumerate(self.param_groups)
                    for p in group["params"] if p.requires_grad]
-        self._fired_total = 0
         self._all_gradients = len(trained) * backward_passes_per_step  # a full step's
         self._hooks_paused = False  # the guard's Hessian-vector products are not passes
         # One pass per step: p.grad is that pass's gradient when Horovod's own hook sends it, so
@@ -208,17 +230,19 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self._bucketed = (self._measure and backward_passes_per_step == 1
                           and horovod_options.get("groups") is None
                           and bool(self._hvd_opt._requires_update))
-        self._bucket: list[torch.Tensor] = []
-        self._bucket_elements = 0
         self._sending_rest = False  # Horovod's synchronize() sends what backward did not produce
         self._group_of = {p: gi for gi, p in trained}
         if self._bucketed:
             self._send = self._hvd_opt._allreduce_grad_async
             self._hvd_opt._allreduce_grad_async = self._send_in_buckets  # Horovod's hook calls it
         elif self._measure:
-            for gi, p in trained:
-                self._hooks.append(p.register_hook(self._make_norm_hook(gi, p, len(self._fired))))
-                self._fired.append(0)
+            for index, (gi, p) in enumerate(trained):
+                self._hooks.append(p.register_hook(self._make_norm_hook(gi, p, index)))
+        self._hooked = len(self._hooks)
+        self._step = self._new_step()
+
+    def _new_step(self) -> _StepState:
+        return _StepState(norms=[[] for _ in self.param_groups], fired=[0] * self._hooked)
 
     def _params(self):
         return (p for group in self.param_groups for p in group["params"])
@@ -230,10 +254,6 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
     def _device(self) -> torch.device:
         """Where the statistics are made: the gradients' device."""
         return next(self._params()).device
-
-    def _reset_counts(self) -> None:
-        self._fired = [0] * len(self._fired)
-        self._fired_total = 0
 
     @property
     def policy(self) -> Policy:
@@ -247,7 +267,6 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
     # parameter gets one gradient per pass that reaches it, so this worker's passes are the
     # largest count (parameters without a gradient in some pass count less).
     def _make_norm_hook(self, group_index: int, p: torch.Tensor, index: int):
-        norms = self._norms[group_index]
         precondition = self.policy.statistics == "preconditioned"
 
         def hook(grad: torch.Tensor) -> None:
@@ -255,15 +274,16 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 return
             # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
             g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
-            norms.append(self._norm(g))
-            self._fired[index] += 1
-            self._fired_total += 1
-            if self._fired_total == self._all_gradients and self._stats_handle is None:
+            step = self._step
+            step.norms[group_index].append(self._norm(g))
+            step.fired[index] += 1
+            step.fired_total += 1
+            if step.fired_total == self._all_gradients and step.stats_handle is None:
                 # The step's last gradient: this hook runs before Horovod's hook enqueues its
                 # allreduce, so the statistics are in Horovod's queue no later than the last
                 # gradient and never wait a cycle for themselves. (Otherwise, with parameters
                 # that got no gradient or a short step, synchronize() sends them.)
-                self._stats_handle = self.start_statistics()
+                step.stats_handle = self.start_statistics()
         return hook
 
     def _send_in_buckets(self, p: torch.Tensor):
@@ -271,23 +291,25 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         with its bucket, after the bucket's norms. Returns what Horovod's hook records for p."""
         if self._sending_rest:
             return self._send(p)  # no gradient this step: Horovod sends zeros, nothing to measure
-        self._bucket.append(p)
-        self._bucket_elements += p.grad.numel()
-        self._fired_total += 1
-        if (self._fired_total == self._all_gradients or len(self._bucket) >= BUCKET_TENSORS
-                or self._bucket_elements >= BUCKET_ELEMENTS):
+        step = self._step
+        step.bucket.append(p)
+        step.bucket_elements += p.grad.numel()
+        step.fired_total += 1
+        if (step.fired_total == self._all_gradients or len(step.bucket) >= BUCKET_TENSORS
+                or step.bucket_elements >= BUCKET_ELEMENTS):
             return self._flush_bucket(current=p)
         return None, None  # a placeholder until its bucket is sent (below)
 
     def _flush_bucket(self, current: torch.Tensor | None = None):
         """Take the bucket's norms, then send its gradients (the statistics first when this is
         the step's last gradient). Returns ``current``'s (handle, ctx) for Horovod's hook."""
-        bucket, self._bucket, self._bucket_elements = self._bucket, [], 0
+        step = self._step
+        bucket, step.bucket, step.bucket_elements = step.bucket, [], 0
         if not bucket:
             return None, None
         self._take_norms(bucket)
-        if self._fired_total == self._all_gradients and self._stats_handle is None:
-            self._stats_handle = self.start_statistics()
+        if step.fired_total == self._all_gradients and step.stats_handle is None:
+            step.stats_handle = self.start_statistics()
         handles, result = self._hvd_opt._handles, (None, None)
         for p in bucket:
             sent = self._send(p)
@@ -310,11 +332,12 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
     def _take_norms(self, params: list[torch.Tensor]) -> None:
         """Keep the bucket's norms for this step's sums: as one vector when there is one group."""
         vector = self._grad_norms(params)
-        if len(self._norms) == 1:
-            self._norms[0].append(vector)
+        norms = self._step.norms
+        if len(norms) == 1:
+            norms[0].append(vector)
         else:
             for i, p in enumerate(params):
-                self._norms[self._group_of[p]].append(vector[i:i + 1])
+                norms[self._group_of[p]].append(vector[i:i + 1])
 
     def start_statistics(self):
         """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op,
@@ -353,22 +376,19 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         bias_correction2 = self.policy.second_moment_correction(group["betas"][1], float(state["step"]))
         if bias_correction2 == 0.0:
             return grad  # v holds no gradient yet
-        denom = (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"])
-        return torch.div(grad, denom, out=denom)  # in denom's buffer: one temporary, not two
+        return precondition(grad, state["exp_avg_sq"], bias_correction2, group["eps"], torch.Tensor.sqrt_)
 
     def local_statistics(self) -> torch.Tensor:
         """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), float64: squares of the
         float64 norms, which no finite gradient overflows. c is the passes this worker actually
         took (a short step takes fewer than k)."""
-        device = self._device
+        device, step = self._device, self._step
         sums = [torch.cat(group_norms).square().sum() if group_norms
                 else torch.zeros((), dtype=torch.float64, device=device)
-                for group_norms in self._norms]
-        for group_norms in self._norms:
-            group_norms.clear()
-        passes = min(1, self._fired_total) if self._bucketed else max(self._fired, default=0)
+                for group_norms in step.norms]
+        passes = min(1, step.fired_total) if self._bucketed else max(step.fired, default=0)
         count = torch.tensor(float(passes), dtype=torch.float64, device=device)
-        self._reset_counts()
+        step.counted()
         return torch.stack(sums + [count])
 
     def mean_sqnorms(self) -> torch.Tensor:
@@ -413,12 +433,13 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``.
         Afterwards p.grad holds the mean micro-gradient (see ``_to_mean_gradient``)."""
         self._check_no_parameter_unfrozen()
-        if self._pending is not None:
+        step = self._step
+        if step.pending is not None:
             # The previous step's statistics were never used: its step was skipped (AMP overflow).
             self.scaling.skip()
-            self._pending = None
+            step.pending = None
         self._flush_bucket()  # gradients still waiting in a bucket (some got none this step)
-        handle, self._stats_handle = self._stats_handle, None
+        handle, step.stats_handle = step.stats_handle, None
         if self._measure and handle is None:
             # Fewer gradients than every parameter x k passes: send the statistics now.
             handle = self.start_statistics()
@@ -433,8 +454,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             summed = self._summed(hvd.synchronize(handle))
             self._to_mean_gradient(summed[len(self.param_groups)])
             # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
-            self._pending = torch.cat([summed, self.mean_sqnorms()])
-        self._synchronized = True
+            step.pending = torch.cat([summed, self.mean_sqnorms()])
+        step.synchronized = True
 
     def _check_no_parameter_unfrozen(self) -> None:
         """A parameter made trainable after the optimizer was built has neither Horovod's
@@ -460,7 +481,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
     # -- torch.optim.Optimizer ------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None, *, guard_loss=None):
-        """Synchronize, let the policy account the step, and apply it with lr x factor.
+        """Synchronize, let the policy plan the step, and apply it (``core.run_step``).
 
         A step whose gradients are not finite is skipped on every rank: weights, optimizer state,
         statistics and progress stay as they were (``policy.skipped`` counts it). A group's lr
@@ -469,30 +490,71 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         ``guard_loss``: with a ``guard``, a function returning this worker's loss on its current
         batch (a fresh forward pass; no backward), called on the guard's steps only.
         """
-        if not (self._synchronized or self._skip_sync):
+        self._step.guard_loss = guard_loss
+        return run_step(self, closure)
+
+    # -- the hooks of adapters/protocol.py ---------------------------------------------------------
+    def reduced_statistics(self):
+        """(statistics, finite): this step's [s..., c, q...] (a device tensor) after the gradients'
+        allreduce, or None unmeasured, with the averaged gradient's finiteness then (True under a
+        GradScaler, which checks it itself). The guard's sharpness is measured here when due."""
+        step = self._step
+        if not (step.synchronized or self._skip_sync):
             self.synchronize()
-        self._synchronized = False
+        step.synchronized = False
+        statistics, step.pending = step.pending, None  # taken: a step that raises drops it
         self.scaling.agree_on_state()  # once: a checkpoint loaded on some ranks only
-        try:  # after the collectives of the step (alike on every rank), before anything counts
-            self.scaling.check_lrs({f"param_groups[{i}]['lr']": group["lr"]
-                                    for i, group in enumerate(self.param_groups)})
-        except ValueError:
-            self._pending = None  # the step is dropped: not applied, not counted as skipped
-            raise
         if self.scaling.guard_due():
-            self._measure_sharpness(guard_loss)
-        stats, self._pending = self._pending, None
+            self._measure_sharpness(step.guard_loss)
+        if statistics is not None:
+            return statistics, True
+        return None, self._grad_scaler is not None or self._grads_finite()
+
+    def user_settings(self) -> list[list[float]]:
+        """Each group's ``core.USER_SETTINGS``: torch corrects Adam's bias with each parameter's
+        own step count, the group's first here; the decay is AdamW's decoupled one only."""
+        rows = []
+        for group in self.param_groups:
+            state = next((self.state[p] for p in group["params"] if "step" in self.state.get(p, {})),
+                         None)
+            betas = group.get("betas", (math.nan, math.nan))
+            decoupled = group.get("decoupled_weight_decay", False) and "weight_decay" in group
+            rows.append([_number(group["lr"]), _number(betas[0]), _number(betas[1]),
+                         _number(group.get("eps", math.nan)),
+                         _number(group["weight_decay"]) if decoupled else math.nan,
+                         1.0 if state is None else float(state["step"]) + 1.0])
+        assert len(rows[0]) == len(USER_SETTINGS)
+        return rows
+
+    def loss_scale(self) -> float | None:
         scaler = self._grad_scaler
-        loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-        if stats is not None:
-            factor = self.scaling.step(stats.tolist(),  # the step's one host transfer
-                                       base_lr=self.param_groups[0]["lr"], loss_scale=loss_scale)
-        else:  # unmeasured: the averaged gradient's finiteness is the step's one host transfer
-            factor = self.scaling.step(None, base_lr=self.param_groups[0]["lr"],
-                                       finite=scaler is not None or self._grads_finite())
-        if factor == 0.0:
-            return None  # skipped: nothing applied
-        return self.apply_step(factor, closure)
+        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+
+    def on_host(self, fn, *args):
+        """Eager: the statistics come to the host here, the step's one transfer."""
+        return fn(*(a.tolist() if torch.is_tensor(a) else a for a in args))
+
+    def apply_step(self, plan, closure=None):
+        """The inner step with each group's lr (and, for adascale_adam, betas, eps and decoupled
+        decay: ``hvd_scale.moments``) from ``plan``; the user's values are put back after, so
+        torch lr schedulers keep working on the baseline lr. A factor of 0: nothing applied."""
+        plan = [[float(v) for v in row] for row in plan]
+        if plan[0][0] == 0.0:
+            return None
+        keys = ("lr", "betas", "eps", "weight_decay")
+        saved = [{k: group[k] for k in keys if k in group} for group in self.param_groups]
+        try:
+            for group, (_, lr, beta1, beta2, eps, decay) in zip(self.param_groups, plan):
+                group["lr"] = lr
+                if not math.isnan(beta1):
+                    group.update(betas=(beta1, beta2), eps=eps)
+                if not math.isnan(decay):
+                    group["weight_decay"] = decay
+            with self._hvd_opt.skip_synchronize():
+                return self._hvd_opt.step(closure)
+        finally:
+            for group, user in zip(self.param_groups, saved):
+                group.update(user)
 
     def _measure_sharpness(self, guard_loss) -> None:
         """The guard's estimate: this worker's top Hessian eigenvalue, averaged over workers."""
@@ -529,40 +591,6 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
     def _grads_finite(self) -> bool:
         grads = self._grads()  # float64 norms: a large finite gradient is not called non-finite
         return not grads or bool(norms(grads).isfinite().all())
-
-    def apply_step(self, lr_factor: float, closure=None):
-        """The inner step with every group's lr x lr_factor (and, for adascale_adam, the step's
-        betas, eps and decoupled decay: ``hvd_scale.moments``); the user's values are put back
-        after, so torch lr schedulers keep working on the baseline lr."""
-        keys = ("lr", "betas", "eps", "weight_decay")
-        saved = [{k: group[k] for k in keys if k in group} for group in self.param_groups]
-        try:
-            for group, user in zip(self.param_groups, saved):
-                group["lr"] = user["lr"] * lr_factor
-                adam = self._adam_step(group, user, lr_factor)
-                if adam is not None:
-                    group.update(lr=adam.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps)
-                    if adam.weight_decay is not None:
-                        group["weight_decay"] = adam.weight_decay
-            with self._hvd_opt.skip_synchronize():
-                return self._hvd_opt.step(closure)
-        finally:
-            for group, user in zip(self.param_groups, saved):
-                group.update(user)
-
-    def _adam_step(self, group: dict, user: dict, lr_factor: float):
-        """This group's Adam settings for the step (None: the policy leaves the moments alone).
-        torch corrects the bias with each parameter's own step count, the group's first here."""
-        if "betas" not in user:
-            return None
-        state = next((self.state[p] for p in group["params"] if "step" in self.state.get(p, {})),
-                     None)
-        t = 1 if state is None else int(state["step"]) + 1
-        decoupled = group.get("decoupled_weight_decay", False)
-        return self.scaling.adam_step(
-            base_lr=user["lr"], lr_factor=lr_factor, beta1=user["betas"][0],
-            beta2=user["betas"][1], eps=user["eps"], framework_step=t,
-            eps_placement=EPS_CORRECTED, weight_decay=user["weight_decay"] if decoupled else None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.
@@ -608,14 +636,9 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self.scaling.policy = policy
         if guard is not None and state_dict.get("guard") is not None:
             guard.load_state_dict(state_dict["guard"])
-        self._pending, self._synchronized = None, False
-        self._reset_counts()
-        if self._stats_handle is not None:  # a step's statistics in flight: finish, then drop them
-            hvd.synchronize(self._stats_handle)
-            self._stats_handle = None
-        for norms in self._norms:
-            norms.clear()
-        self._bucket, self._bucket_elements = [], 0
+        if self._step.stats_handle is not None:  # statistics in flight: finish, then drop them
+            hvd.synchronize(self._step.stats_handle)
+        self._step = self._new_step()
 
     def _check_inner_state(self, inner: dict) -> None:
         """The inner optimizer's checkpoint must be of this model: torch loads state tensors of
@@ -648,145 +671,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"
 
 
-def hessian_top_eigenvalue(loss_fn, params: list[torch.Tensor], *, iterations: int = 20,
-                           tol: float = 1e-3, scaling: list[torch.Tensor] | None = None,
-                           seed: int = 0) -> float:
-    """The largest eigenvalue of the Hessian of ``loss_fn()`` in ``params``, by power iteration.
-
-    Each iteration is one Hessian-vector product, Hv = d(g . v)/dw, a second backward pass
-    through the graph of one forward pass (kept between iterations). ``scaling``: per-parameter
-    s, giving the eigenvalue of diag(s) H diag(s) instead (s = P^-1/2 for Adam's P^-1 H, same
-    eigenvalues, symmetric). Power iteration finds the eigenvalue largest in magnitude: when
-    that is negative, a second run on H - lambda_neg I finds the top one. Neither ``p.grad``
-    nor Horovod's hooks see these passes (autograd.grad returns the products).
-    """
-    params = [p for p in params if p.requires_grad]
-    loss = loss_fn()
-    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-    used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
-    if not used:
-        return 0.0  # the loss is linear (or constant) in the parameters: no curvature
-    ps, gs = [params[i] for i in used], [grads[i] for i in used]
-    ss = None if scaling is None else [scaling[i] for i in used]
-    generator = torch.Generator().manual_seed(seed)
-
-    def product(v: list[torch.Tensor]) -> list[torch.Tensor]:
-        if ss is not None:
-            v = torch._foreach_mul(v, ss)
-        hv = torch.autograd.grad(gs, ps, grad_outputs=v, retain_graph=True)
-        return list(hv) if ss is None else torch._foreach_mul(hv, ss)
-
-    def dominant(shift: float) -> float:
-        v = [torch.randn(p.shape, generator=generator, dtype=torch.float64).to(p) for p in ps]
-        torch._foreach_div_(v, torch.stack(torch._foreach_norm(v)).norm())
-        estimate = math.nan
-        for _ in range(iterations):
-            hv = product(v)
-            if shift:
-                torch._foreach_add_(hv, v, alpha=-shift)
-            new = float(sum((a * b).sum() for a, b in zip(v, hv)))  # Rayleigh quotient, |v| = 1
-            norm = float(torch.stack(torch._foreach_norm(hv)).norm())
-            if not math.isfinite(norm) or norm == 0.0:
-                return new
-            v = torch._foreach_div(hv, norm)
-            converged = abs(new - estimate) <= tol * abs(new)
-            estimate = new
-            if converged:
-                break
-        return estimate
-
-    top = dominant(0.0)
-    if top < 0:  # the dominant eigenvalue is negative: the top one is lambda_neg + max(H - lambda_neg)
-        top = top + dominant(top)
-    return top
-
-
-class _ProcessSetBinding:
-    """``core.Scaling``'s collectives within one Horovod process set (the whole job by default)."""
-
-    def __init__(self, process_set):
-        self.process_set = process_set
-        self._global = process_set is hvd.global_process_set
-
-    def size(self) -> int:
-        return hvd.size() if self._global else self.process_set.size()
-
-    def rank(self) -> int:
-        return hvd.rank() if self._global else self.process_set.rank()
-
-    def allgather_object(self, obj, name=None) -> list:
-        if self._global:
-            return hvd.allgather_object(obj, name=name)
-        # Horovod's allgather_object has no process set: pickles of any length, gathered.
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes",
-                              process_set=self.process_set)
-        gathered = hvd.allgather(data, name=name, process_set=self.process_set)
-        return [pickle.loads(chunk.numpy().tobytes())
-                for chunk in torch.split(gathered, sizes.tolist())]
-
-    def broadcast_object(self, obj, root_rank=0, name=None):
-        return hvd.broadcast_object(obj, root_rank=root_rank, name=name,
-                                    process_set=self.process_set)
-
-
-class ScaleInvariantScheduler:
-    """Step any torch ``LRScheduler`` in scale-invariant iterations: lr = schedule(floor(tau)).
-
-        sched = ScaleInvariantScheduler(torch.optim.lr_scheduler.StepLR(opt, 1000, 0.1), opt)
-        ...; opt.step(); sched.step()
-
-    The wrapped scheduler sees one of its steps per baseline step of progress, so a schedule
-    written for S = 1 runs unchanged at any scale and with any policy.
-    """
-
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: DistributedOptimizer):
-        if not isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("optimizer must be hvd_scale's DistributedOptimizer")
-        self.scheduler, self.optimizer = scheduler, optimizer
-        self._base_epoch = scheduler.last_epoch  # 0 after construction
-
-    def step(self) -> None:
-        target = self._base_epoch + int(math.floor(self.optimizer.progress))
-        while self.scheduler.last_epoch < target:
-            self.scheduler.step()
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "base_epoch": self._base_epoch}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.scheduler.load_state_dict(state_dict["scheduler"])
-        self._base_epoch = state_dict["base_epoch"]
-
-
 def broadcast_state(model: torch.nn.Module, optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
     """Broadcast the model, the optimizer state and the policy's state from root_rank."""
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
     hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
     optimizer.scaling.broadcast(root_rank)
-
-
-# -- Horovod elastic ----------------------------------------------------------------------------
-
-def _elastic_handler():
-    """A ``hvd.elastic.TorchState`` handler for this optimizer, registered ahead of Horovod's own
-    (whose broadcast expects a flat torch state_dict): commit/restore the nested state, and on a
-    sync broadcast it from rank 0. S follows the new world size at the next step (see
-    ``Scaling.follow_world_size``), also after a reset that skips the sync (workers only removed)."""
-    from horovod.torch.elastic import state as elastic_state
-
-    class ScaledOptimizerStateHandler(elastic_state.OptimizerStateHandler):
-        def sync(self):
-            opt = self.value
-            hvd.broadcast_optimizer_state(opt._hvd_opt, root_rank=0)
-            opt.scaling.broadcast(0)
-
-    registry = elastic_state.get_handler_registry()
-    if not any(cls is DistributedOptimizer for cls, _ in registry):
-        elastic_state.set_handler_registry([(DistributedOptimizer, ScaledOptimizerStateHandler)] + registry)
-
-
-_elastic_handler()

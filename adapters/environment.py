@@ -1,0 +1,18 @@
+"""What the adapters read from the environment, which the launcher (``hvd-scale run``) and
+``horovodrun`` set: the shared half (``core.py``) is given these values and reads none itself."""
+
+from __future__ import annotations
+
+import os
+
+from hvd_scale.metrics import LOG_DIR_ENV
+
+
+def elastic() -> bool:
+    """Under ``horovodrun`` elastic (workers join and leave while the job runs)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def log_dir(given: str | None) -> str | None:
+    """Where rank 0 writes the per-step metrics: ``given``, else ``$HVD_SCALE_LOG_DIR``, else none."""
+    return given or os.environ.get(LOG_DIR_ENV) or None

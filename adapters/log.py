@@ -1,0 +1,229 @@
+"""The per-step metrics log that rank 0 writes: CSV, TensorBoard scalars, run.json, a progress bar.
+
+Files in a log directory:
+    run.json        policy spec, scale, workers, budget: what ``hvd-scale plot`` labels runs with
+    metrics.csv     one row per optimizer step, the columns of ``hvd_scale.metrics.METRICS`` in order
+    tb/             TensorBoard scalars under ``hvd_scale/<name>``, written by tensorboardX (imported
+                    when the first row is written; it never imports TensorFlow)
+
+The metric names are the engine's (``hvd_scale.metrics``); writing them is the adapters' business.
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import itertools
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+import warnings
+from typing import Any, Callable, Mapping
+
+from hvd_scale.metrics import METRICS, check_names
+
+# Numbers this process's TensorBoard files (with its pid), so a log reopened within the same second
+# (a replay under elastic) never reuses, and truncates, an earlier file's name.
+_TB_FILES = itertools.count()
+# Seconds between flushes of the TensorBoard file, so TensorBoard follows a run as it goes.
+TB_FLUSH_SECS = 10
+
+
+def _float(value: Any) -> float:
+    if value is None:
+        return math.nan
+    if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
+        value = value.item()
+    return float(value)
+
+
+class MetricsLogger:
+    """One row per step in ``log_dir``, written by whichever process is rank 0 at that step.
+
+    Both adapters hand it their ``metrics()`` once per step. The values are host floats the policy
+    already has, so logging adds no device-to-host transfer; a loss tensor given to ``set_loss``
+    is read only when its row is written.
+
+    The files open at the first row this process writes, so a log survives restarts:
+
+    * a resumed run (its first step > 1, e.g. from a checkpoint) appends to ``metrics.csv``; rows
+      from that step on, which the resumed run replays, move to ``metrics.replayed.csv`` (so
+      are rows a restored elastic job replays): never silently duplicated, nothing deleted;
+    * a fresh run (step 1) into a used directory keeps the earlier run apart: its files become
+      ``metrics.N.csv`` and ``run.N.json`` (with a warning);
+    * ``rank`` may be a function (``hvd.rank``): under Horovod elastic the rank 0 of the moment
+      writes, and a process that stops being rank 0 closes its files.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, *, rank: int | Callable[[], int] = 0,
+                 run_info: Mapping | None = None, budget: float | None = None,
+                 progress_bar: bool = True, tensorboard: bool = True):
+        self.log_dir = pathlib.Path(log_dir)
+        self._rank = rank if callable(rank) else (lambda: rank)
+        self._run_info = dict(run_info or {})
+        self.budget = budget
+        self._progress_bar, self._tensorboard = progress_bar, tensorboard
+        self._start = time.perf_counter()
+        self._csv_file = self._bar = self._tb = None
+        self._pending_loss = None
+        self._last_step = -math.inf
+        self.closed = False
+
+    @property
+    def active(self) -> bool:
+        """Writing now (this process is rank 0 and the log is open)."""
+        return self._csv_file is not None
+
+    def set_loss(self, loss: Any) -> None:
+        """Keep the step's loss (a float or a tensor) for the next row; read only when written."""
+        self._pending_loss = loss
+
+    def log(self, metrics: Mapping[str, Any]) -> None:
+        """Write one row; every key must be a name of ``METRICS`` (the logger adds ``time``)."""
+        check_names(metrics)
+        if self.closed:
+            return
+        if self._rank() != 0:
+            self._close_files()  # another process is rank 0 now (elastic): it writes
+            self._pending_loss = None
+            return
+        row = {k: math.nan for k in METRICS}
+        row.update({k: _float(v) for k, v in metrics.items()})
+        if "loss" not in metrics:
+            row["loss"] = _float(self._pending_loss)
+        row["time"] = time.perf_counter() - self._start
+        self._pending_loss = None
+        step = row["step"]
+        if self._csv_file is None:
+            self._open(step)
+        elif step <= self._last_step:  # a restored elastic job replays steps it had logged
+            self._close_files()
+            self._open(step)
+        self._last_step = step
+        self._csv.writerow(row)
+        if self._tb is not None:
+            # NaN and inf (no gain yet, no guard) are left out: TensorBoard draws neither, and
+            # tensorboardX warns at each. The CSV has them.
+            for k, v in row.items():
+                if k not in ("step", "time") and math.isfinite(v):
+                    self._tb.add_scalar(f"hvd_scale/{k}", v, int(step))
+        if self._bar is not None:
+            self._bar.update(min(row["progress"], self.budget) - self._bar.n)
+            self._bar.set_postfix(gain=f"{row['gain']:.2f}", refresh=False)
+
+    # -- files -------------------------------------------------------------------------------------
+    def _open(self, first_step: float) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / "metrics.csv"
+        earlier = _read_rows(path)
+        if earlier is not None and (first_step <= 1 or earlier[0] != list(METRICS)):
+            self._keep_apart()  # a fresh run (or another layout): the earlier run stays whole
+            earlier = None
+        if earlier is not None:
+            header, rows = earlier
+            replayed = [r for r in rows if _step(r) >= first_step]
+            if replayed:
+                _append_rows(self.log_dir / "metrics.replayed.csv", header, replayed)
+                _write_rows(path, header, [r for r in rows if _step(r) < first_step])
+        else:
+            _write_rows(path, list(METRICS), [])
+        info = {**self._run_info, "budget": self.budget}
+        if first_step > 1:
+            info["resumed_at_step"] = int(first_step)
+        (self.log_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+        # Line-buffered: every row reaches the file at once, so a killed job keeps its rows.
+        self._csv_file = open(path, "a", newline="", buffering=1)
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=list(METRICS))
+        atexit.register(self.close)
+        if self._tensorboard:
+            SummaryWriter = _import_summary_writer()
+            self._tb = SummaryWriter(str(self.log_dir / "tb"), flush_secs=TB_FLUSH_SECS,
+                                     filename_suffix=f".{os.getpid()}.{next(_TB_FILES)}")
+        if self._progress_bar and self.budget:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                # mininterval: under horovodrun every refresh becomes a prefixed output line.
+                self._bar = tqdm(total=float(self.budget), unit="tau", desc="progress",
+                                 mininterval=10, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} tau "
+                                                            "[{elapsed}<{remaining}]")
+
+    def _keep_apart(self) -> None:
+        n = 1
+        while (self.log_dir / f"metrics.{n}.csv").exists():
+            n += 1
+        warnings.warn(f"hvd_scale: {self.log_dir} holds an earlier run's metrics; a new run starts "
+                      f"there, and the earlier files are kept as metrics.{n}.csv and run.{n}.json",
+                      stacklevel=4)
+        os.replace(self.log_dir / "metrics.csv", self.log_dir / f"metrics.{n}.csv")
+        if (self.log_dir / "run.json").exists():
+            os.replace(self.log_dir / "run.json", self.log_dir / f"run.{n}.json")
+
+    def _close_files(self) -> None:
+        for handle in (self._csv_file, self._tb, self._bar):
+            if handle is not None:
+                handle.close()
+        self._csv_file = self._tb = self._bar = None
+
+    def close(self) -> None:
+        self._close_files()
+        self.closed = True
+
+
+def _step(row: Mapping[str, str]) -> float:
+    try:
+        return float(row["step"])
+    except (KeyError, TypeError, ValueError):
+        return math.inf  # unreadable: treat as past any resume point (kept aside, not lost)
+
+
+def _read_rows(path: pathlib.Path):
+    """(header, rows) of a CSV with at least a header, else None."""
+    if not path.exists():
+        return None
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        header = reader.fieldnames
+    return None if not header else (list(header), rows)
+
+
+def _write_rows(path: pathlib.Path, header, rows) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)  # atomically: a crash here leaves the old file, never half of it
+
+
+def _append_rows(path: pathlib.Path, header, rows) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def _import_summary_writer():
+    """``tensorboardX.SummaryWriter``, imported without importing torch where it is not loaded.
+
+    tensorboardX imports torch when it can (for a type hint): a Keras job on TensorFlow would pay
+    torch's start-up and memory for nothing. ``sys.modules["torch"] = None`` makes that import
+    fail as if torch were not installed, for the length of the import.
+    """
+    block = "torch" not in sys.modules
+    if block:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if block and sys.modules.get("torch", False) is None:
+            del sys.modules["torch"]
+    return SummaryWriter

@@ -1,0 +1,28 @@
+"""Horovod elastic with the torch adapter: its state handler, registered on import."""
+
+from __future__ import annotations
+
+import horovod.torch as hvd
+
+from .optimizer import DistributedOptimizer
+
+
+def _elastic_handler():
+    """A ``hvd.elastic.TorchState`` handler for this optimizer, registered ahead of Horovod's own
+    (whose broadcast expects a flat torch state_dict): commit/restore the nested state, and on a
+    sync broadcast it from rank 0. S follows the new world size at the next step (see
+    ``Scaling.follow_world_size``), also after a reset that skips the sync (workers only removed)."""
+    from horovod.torch.elastic import state as elastic_state
+
+    class ScaledOptimizerStateHandler(elastic_state.OptimizerStateHandler):
+        def sync(self):
+            opt = self.value
+            hvd.broadcast_optimizer_state(opt._hvd_opt, root_rank=0)
+            opt.scaling.broadcast(0)
+
+    registry = elastic_state.get_handler_registry()
+    if not any(cls is DistributedOptimizer for cls, _ in registry):
+        elastic_state.set_handler_registry([(DistributedOptimizer, ScaledOptimizerStateHandler)] + registry)
+
+
+_elastic_handler()

@@ -1,0 +1,101 @@
+"""One process (Horovod of size 1): build an adapter's optimizer, check it against
+``adapters/protocol.FrameworkOptimizer`` and take two steps of two micro-batches, recording the
+hooks ``core.run_step`` calls. Prints one JSON line. Usage: protocol_conformance.py torch|keras
+(Keras runs on the backend $KERAS_BACKEND names)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import numpy as np
+
+from hvd_scale.adapters.protocol import HOOKS, FrameworkOptimizer
+from hvd_scale.launch.jobs import print_result
+
+
+def signatures(cls) -> dict:
+    return {hook: list(inspect.signature(getattr(cls, hook)).parameters) for hook in HOOKS}
+
+
+def check(opt, micro_step, weights) -> dict:
+    """The protocol checks, alike for every adapter."""
+    calls = []
+    for hook in HOOKS:
+        def recorded(*args, _hook=hook, _bound=getattr(opt, hook), **kw):
+            calls.append(_hook)
+            return _bound(*args, **kw)
+        object.__setattr__(opt, hook, recorded)
+    before = weights()
+    for step in range(2):
+        for micro in range(2):
+            micro_step(step * 2 + micro)
+    return {"is_protocol": isinstance(opt, FrameworkOptimizer),
+            "signatures": signatures(type(opt)), "expected": signatures(FrameworkOptimizer),
+            "calls": calls, "steps": opt.policy.steps, "progress": opt.policy.progress,
+            "moved": float(np.abs(weights() - before).max())}
+
+
+def data(i):
+    rng = np.random.default_rng(i)
+    return rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+
+
+def torch_case() -> dict:
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_scale.adapters.torch import DistributedOptimizer
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters(), policy="adascale_adam",
+                               backward_passes_per_step=2)
+
+    def micro_step(i):
+        x, y = (torch.from_numpy(a) for a in data(i))
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+    return check(opt, micro_step, lambda: torch.cat([p.detach().flatten() for p in model.parameters()]).numpy())
+
+
+def keras_case() -> dict:
+    import keras
+
+    from hvd_scale.adapters.keras import DistributedOptimizer, hvd
+
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = DistributedOptimizer(keras.optimizers.Adam(0.01), policy="adascale_adam",
+                               backward_passes_per_step=2)
+    opt.build(model.trainable_variables)
+
+    def grads(x, y):
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((model(x) - y) ** 2)
+            return tape.gradient(loss, model.trainable_variables)
+        import torch
+        for v in model.trainable_variables:
+            v.value.grad = None
+        loss = keras.ops.mean((model(x) - keras.ops.convert_to_tensor(y)) ** 2)
+        loss.backward()
+        return [v.value.grad for v in model.trainable_variables]
+
+    def micro_step(i):
+        x, y = data(i)
+        opt.apply(grads(x, y), model.trainable_variables)
+
+    return check(opt, micro_step, lambda: np.concatenate([w.reshape(-1) for w in model.get_weights()]))
+
+
+if __name__ == "__main__":
+    out = {"torch": torch_case, "keras": keras_case}[sys.argv[1]]()
+    print_result(out)
