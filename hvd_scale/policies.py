@@ -43,7 +43,9 @@ DEFAULT_POLICY = "adascale"
 # 2: the factor the latest step applied (``lr_factor``) is part of the state.
 # 3: adascale_adam's default became moments=progress; a version <= 2 adascale_adam checkpoint was
 #    saved by the behaviour now spelled 'adascale_adam:moments=steps'.
-STATE_VERSION = 3
+# 4: adascale_adam's gain is capped at 8 by default (max_gain); a version <= 3 adascale_adam
+#    checkpoint was saved by the behaviour now spelled 'adascale_adam:max_gain=inf'.
+STATE_VERSION = 4
 _STATE_KEYS = {"version", "policy", "steps", "progress", "skipped", "lr_factor", "estimator"}
 
 # Which optimizers a policy has theory for, by class name (torch.optim and keras.optimizers agree).
@@ -96,6 +98,7 @@ _positive_int = _number_option(int, lambda v: v > 0, "a whole number > 0")
 _fraction = _number_option(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 _theta = _number_option(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
 _positive = _number_option(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
+_at_least_one = _number_option(float, lambda v: v >= 1, "a number >= 1 (inf: no cap)")
 _exponent = _number_option(float, lambda v: 0.0 <= v <= 1.0,
                            "a number in [0, 1] (0: none, 0.5: sqrt, 1: linear)")
 
@@ -413,13 +416,17 @@ class Policy:
         if isinstance(d, Mapping) and d.get("version") == 1 and "lr_factor" not in d:
             d = {**d, "version": 2, "lr_factor": None}
         check_keys("policy state", d, _STATE_KEYS)
-        if d["version"] not in (2, STATE_VERSION):
+        if d["version"] not in (2, 3, STATE_VERSION):
             raise ValueError(f"policy state version {d['version']!r} is not supported "
-                             f"(expected {STATE_VERSION}, 2 or 1)")
-        if d["version"] == 2:
-            name, options = parse_spec(d["policy"])
-            if name == AdaScaleAdam.name and "moments" not in options:
-                d = {**d, "policy": d["policy"] + (",", ":")[not options] + "moments=steps"}
+                             f"(expected {STATE_VERSION}, 3, 2 or 1)")
+        name, options = parse_spec(d["policy"])
+        if name == AdaScaleAdam.name and d["version"] <= 3:
+            # Saved before a default changed: spelled as the behaviour that saved it.
+            old = {"moments": "steps"} if d["version"] == 2 and "moments" not in options else \
+                {"max_gain": "inf"} if options.get("moments", "progress") == "progress" \
+                and "max_gain" not in options else {}
+            for option, value in old.items():
+                d = {**d, "policy": d["policy"] + (",", ":")[not options] + f"{option}={value}"}
         if parse_spec(d["policy"]) != parse_spec(self.spec):
             raise ValueError(f"checkpoint was saved by policy {d['policy']!r}, this job runs "
                              f"{self.spec!r}; build the policy from the same spec to resume")
@@ -638,7 +645,9 @@ class AdaScaleAdam(AdaScale):
     options = {**_SMOOTHING,
                "moments": (_choice(*MOMENTS), "progress (default): Adam's betas and eps follow "
                            "the gain, horizons fixed in baseline steps; steps: left as the user "
-                           "set them (AdaptDL's AdamScale)")}
+                           "set them (AdaptDL's AdamScale)"),
+               "max_gain": (_at_least_one, "a cap on the gain r each step applies (lr x sqrt(r), "
+                            "tau += r, betas^r); default 8 (moments=steps: none), inf: none")}
     statistics = "preconditioned"
     # The optimizers whose update hvd_scale.moments knows how to drive (NAdam's momentum decay and
     # RAdam's rectification are counted in steps).
@@ -660,8 +669,10 @@ class AdaScaleAdam(AdaScale):
 
     def spec_options(self) -> dict[str, Any]:
         opts = super().spec_options()
-        if opts.get("moments") == "progress":  # the default: one spec for one behaviour
+        if opts.get("moments") == "progress":  # the defaults: one spec for one behaviour
             del opts["moments"]
+        if opts.get("max_gain") == (self.DEFAULT_MAX_GAIN if self.moments_in_progress else math.inf):
+            del opts["max_gain"]
         return opts
 
     def second_moment_correction(self, beta2: float, steps: float) -> float:
@@ -670,6 +681,24 @@ class AdaScaleAdam(AdaScale):
         if not self.moments_in_progress:
             return bias_correction(beta2, steps)
         return bias_correction(beta2, moment_progress(self.progress, self.steps, int(steps)))
+
+    # The gain a step applies is capped (``max_gain``): measured on B4 (benchmarks/README.md), at
+    # S = 128 the gain climbs to the 50s late in the schedule, where beta1^r = 0.9^50 leaves Adam
+    # no first-moment averaging and beta2^r a second moment of a few steps, and BLEU fell 5 short
+    # of S = 1; capped at 8 (the largest mean gain measured to hold BLEU, S = 32's 8.3) it holds.
+    # A capped step is a conservative one: lr x sqrt(8) and tau += 8 where more was measured.
+    # With the betas left alone (moments=steps, AdaptDL's) there is no horizon to keep: no cap.
+    DEFAULT_MAX_GAIN = 8.0
+
+    @property
+    def max_gain(self) -> float:
+        default = self.DEFAULT_MAX_GAIN if self.moments_in_progress else math.inf
+        return self._options.get("max_gain", default)
+
+    @property
+    def gain(self) -> float:
+        """The measured gain, capped at ``max_gain``: the r every step applies."""
+        return min(self.estimator.gain, self.max_gain)
 
     def factor(self) -> float:
         return math.sqrt(self.gain)
