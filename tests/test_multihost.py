@@ -7,7 +7,6 @@ hvd0 and ssh on the fixture's port and key.
 """
 
 import json
-import re
 import sys
 import time
 import uuid
@@ -15,6 +14,7 @@ import uuid
 import pytest
 
 from hvdrun import BIN_DIR, HOROVODRUN, REPO_ROOT, WORKERS_DIR, requires_horovod, worker_results
+from hvd_scale.launch.jobs import horovodrun_command, read_results
 from multihost import processes_matching, two_hosts  # noqa: F401 - two_hosts is the fixture
 
 pytestmark = [requires_horovod]
@@ -81,9 +81,10 @@ def test_a_worker_killed_on_host_b_ends_the_job_and_leaves_nothing(two_hosts):
         if '"kind": "kill"' in line:
             killed_at.append(t)
 
-    cmd = [HOROVODRUN, "--gloo", "-np", "2", "-H", h.hosts(), *h.horovodrun_args(),
-           sys.executable, WORKERS_DIR / "multihost_kill_worker.py",
-           "--kill-host", h.names["b"], "--kill-at", "3", "--tag", tag]
+    cmd = horovodrun_command([sys.executable, WORKERS_DIR / "multihost_kill_worker.py",
+                              "--kill-host", h.names["b"], "--kill-at", "3", "--tag", tag], 2,
+                             hosts=h.hosts(), controller="gloo", extra_args=h.horovodrun_args(),
+                             executable=HOROVODRUN)
     proc = h.stream_on("a", cmd, timeout=90, on_line=on_line)
     ended = time.monotonic()  # stream_on returns once the job has exited
     assert proc.returncode != 0, _fail(proc, "the job went on without a rank")
@@ -103,7 +104,6 @@ def test_a_worker_killed_on_host_b_ends_the_job_and_leaves_nothing(two_hosts):
 # -- elastic: host b leaves, then comes back ------------------------------------------------------
 
 BUDGET = 60
-_RESULT = re.compile(r"RESULT (\{.*\})\s*$")
 
 
 @pytest.mark.timeout(240)
@@ -126,10 +126,10 @@ def test_elastic_job_loses_host_b_and_gets_it_back(two_hosts, tmp_path):
     events = []
 
     def on_line(line, t):
-        m = _RESULT.search(line)
-        if not m:
+        rows = read_results(line)  # hvd_scale.launch.jobs: the one RESULT parser
+        if not rows:
             return
-        r = json.loads(m.group(1))
+        r = rows[0]
         if r.get("kind") != "step" or r["rank"] != 0:
             return
         if phase["n"] == 0 and r["size"] == 2 and r["step"] >= 4:
@@ -143,10 +143,11 @@ def test_elastic_job_loses_host_b_and_gets_it_back(two_hosts, tmp_path):
                 phase["n"] = 2
                 events.append(("added b", r["step"], t))
 
-    cmd = [HOROVODRUN, "--gloo", "-np", "2", "--min-np", "1", "--max-np", "2",
-           "--host-discovery-script", discover, *h.horovodrun_args(),
-           sys.executable, WORKERS_DIR / "elastic_worker.py", "--hosts-file", hosts_file,
-           "--budget", str(BUDGET), "--step-sleep", "0.2"]
+    cmd = horovodrun_command([sys.executable, WORKERS_DIR / "elastic_worker.py", "--hosts-file",
+                              hosts_file, "--budget", str(BUDGET), "--step-sleep", "0.2"], 2,
+                             min_np=1, max_np=2, controller="gloo",
+                             extra_args=["--host-discovery-script", discover, *h.horovodrun_args()],
+                             executable=HOROVODRUN)
     proc = h.stream_on("a", cmd, timeout=200, on_line=on_line)
     assert proc.returncode == 0, _fail(proc, "elastic job")
     assert phase["n"] == 2, _fail(proc, f"resizes not reached: {events}")
