@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/transformer_bleu.py --phase converged   # policies x S x seeds at T
     .venv/bin/python benchmarks/transformer_bleu.py --phase short       # the same at T = 1200
     .venv/bin/python benchmarks/transformer_bleu.py --phase claim       # x5 + warm-up, T / 5 steps
+    .venv/bin/python benchmarks/transformer_bleu.py --phase variants    # adascale_adam's choices
+    .venv/bin/python benchmarks/transformer_bleu.py --phase verify      # older runs still exact?
     .venv/bin/python benchmarks/transformer_bleu.py --report-only
 
 Task: examples/translation_data.py (a generated English-like -> SOV language pair: word mapping,
@@ -23,6 +25,10 @@ The converged budget T is chosen from the S = 1 curve (the first T where doublin
 bracket). Every run is stored in results/bleu_runs.json with a hash of the code that decides its
 numbers (engine, adapters, example); a run stored for the same configuration and code is not
 repeated, so an interrupted benchmark resumes, and the report marks cells run on other code.
+Runs are deterministic, so an older code's runs count as today's where `--phase verify` reran
+that policy (seed 0, at S = 32 where it runs at scale) at today's code and got the same weights
+to the last bit (the sum of every parameter, the BLEU and the step count): the report names the
+code and the run that showed it.
 `--max-minutes` starts no run after that many minutes: cells not run show as such.
 
 Writes benchmarks/results/bleu_runs.json, bleu.md, bleu_vs_scale.png and bleu_adascale.png.
@@ -70,6 +76,14 @@ CODE = ["hvd_scale", "adapters/__init__.py", "adapters/core.py", "adapters/proto
 # when the benchmark starts, so that edits to the tree during a long benchmark reach no run.
 SNAPSHOT: pathlib.Path | None = None
 CODE_HASH = ""
+# adascale_adam's choices measured against its default (issue #21): which step's gain the betas
+# follow, and the lr factor's power with the betas scaled; the cap removed.
+VARIANTS = ["adascale_adam:horizon=previous", "adascale_adam:lr_power=0.625",
+            "adascale_adam:lr_power=0.75", "adascale_adam:max_gain=inf"]
+LABELS.update({"adascale_adam:horizon=previous": "betas follow the previous step's gain",
+               "adascale_adam:lr_power=0.625": "lr x r^0.625", "adascale_adam:lr_power=0.75": "lr x r^0.75",
+               "adascale_adam:max_gain=inf": "no gain cap"})
+VERIFY_SCALE = 32  # the scale at which --phase verify reruns each policy (the gain cap binds there)
 SHORT_BUDGET = 1200  # the first B4's budget: S = 1 still gains ~12 BLEU by doubling it
 CURVE = (600, 1200, 2400, 4800)
 SEEDS = 3
@@ -156,6 +170,31 @@ def ok(r):
     return "error" not in r and r.get("bleu") is not None
 
 
+def family(r: dict) -> tuple[str, str]:
+    """What decides a run's code path besides its numbers: the policy (every policy is 'none' at
+    S = 1, one plain process) and the optimizer."""
+    return ("none" if r["S"] == 1 else r["policy"]), r["optimizer"]
+
+
+def reproduced(runs: list[dict], code: str) -> dict[tuple, dict]:
+    """{(older code, policy, optimizer): the run at ``code`` that reproduced a run of that code
+    to the last bit}: the same configuration, the same weights (sum of all parameters), BLEU and
+    steps."""
+    out = {}
+    for new in (r for r in runs if ok(r) and r.get("code") == code):
+        for old in runs:
+            if ok(old) and old.get("code") != code and key(old) == key(new) and \
+                    (old.get("params_checksum"), old["bleu"], old["steps"]) == \
+                    (new.get("params_checksum"), new["bleu"], new["steps"]) and \
+                    new.get("params_checksum") is not None:
+                out[(old["code"],) + family(old)] = new
+    return out
+
+
+def current_code(r: dict, code: str, same: dict) -> bool:
+    return r.get("code") == code or (r.get("code"),) + family(r) in same
+
+
 class Runner:
     """Runs what the store lacks (at this code), S = 1 runs two at a time, and keeps the store."""
 
@@ -165,13 +204,19 @@ class Runner:
         self.deadline = start + 60 * args.max_minutes if args.max_minutes else math.inf
 
     def find(self, s: dict) -> dict | None:
-        """The stored run of this spec: at this code if there is one, else the latest."""
+        """The stored run of this spec: at this code (or one reproduced at it) if there is
+        one, else the latest."""
         matches = [r for r in self.runs if key(r) == key({**s, "S": s["scale"]})]
-        current = [r for r in matches if r.get("code") == self.code]
+        same = reproduced(self.runs, self.code)
+        current = [r for r in matches if current_code(r, self.code, same)]
         return (current or matches or [None])[-1]
 
-    def ensure(self, specs: list[dict]) -> None:
-        todo = [s for s in specs if (self.find(s) or {}).get("code") != self.code]
+    def ensure(self, specs: list[dict], *, rerun: bool = False) -> None:
+        """Run the specs the store lacks at this code (``rerun``: those not run at this very code)."""
+        same = {} if rerun else reproduced(self.runs, self.code)
+        todo = [s for s in specs
+                if not current_code(self.find(s) or {"code": None}, self.code, same)
+                or (rerun and (self.find(s) or {}).get("code") != self.code)]
         singles = [s for s in todo if s["scale"] == 1]
         for i in range(0, len(singles), 2):
             self._run_batch(singles[i:i + 2])
@@ -239,6 +284,15 @@ def phase_specs(args, phase: str) -> list[dict]:
     if phase == "sweep":
         return [spec("none", 1, 0, float(lr), args.budget) for lr in args.sweep.split(",")]
     budget = SHORT_BUDGET if phase == "short" else args.budget
+    if phase == "variants":
+        return [spec(p, s, seed, args.lr, budget) for p in VARIANTS
+                for s in [int(x) for x in args.variant_scales.split(",")]
+                for seed in (seeds if s <= 32 else range(1))]
+    if phase == "verify":  # seed 0 of each policy and optimizer, at S = 1 or VERIFY_SCALE
+        return [spec(p, 1 if o.endswith("-s1") else VERIFY_SCALE, 0, args.lr, budget,
+                     optimizer=o.removesuffix("-s1"))
+                for p, o in [("none", "adam-s1"), ("none", "adamw-s1")] + [(p, "adam") for p in POLICIES]
+                + [(ADASCALE, "adamw")]]
     if phase == "claim":
         return [spec("warmup:rule=fixed,factor=5", 8, seed, args.lr, budget * 8 // 5) for seed in seeds]
     out = [spec("none", 1, seed, args.lr, budget) for seed in seeds]
@@ -247,8 +301,9 @@ def phase_specs(args, phase: str) -> list[dict]:
             for seed in (seeds if policy in args.all_seeds.split(";") else range(1)):
                 out.append(spec(policy, s, seed, args.lr, budget))
     if phase == "converged" and args.adamw:
-        out += [spec(p, s, 0, args.lr, budget, optimizer="adamw")
-                for s in [1] + [s for s in scales if s > 1] for p in (["none"] if s == 1 else [ADASCALE])]
+        out += [spec(p, s, seed, args.lr, budget, optimizer="adamw")
+                for s in [1] + [s for s in scales if s > 1] for p in (["none"] if s == 1 else [ADASCALE])
+                for seed in (seeds if s <= args.adamw_max_scale else range(1))]
     return out
 
 
@@ -270,7 +325,7 @@ def cell_rows(runs, *, policy, S, lr, budget, optimizer="adam"):
             and (S == 1 or r["policy"] == policy)]
 
 
-def fmt_cell(rows, base_steps, code, seeds, gain=False) -> str:
+def fmt_cell(rows, base_steps, code, seeds, gain=False, same=None) -> str:
     if not rows:
         return "not run"
     bleus = [r["bleu"] for r in rows]
@@ -280,25 +335,27 @@ def fmt_cell(rows, base_steps, code, seeds, gain=False) -> str:
             + (f", gain {statistics.mean(r['mean_gain'] for r in rows):.2f}" if gain else ""))
     if len(rows) < seeds:
         text += f" ({len(rows)} of {seeds} seeds)"
-    if any(r.get("code") != code for r in rows):
+    if any(not current_code(r, code, same or {}) for r in rows):
         text += " (older code)"
     return text
 
 
-def table(runs, title, *, lr, budget, scales, seeds, code, optimizer="adam", policies=POLICIES):
+def table(runs, title, *, lr, budget, scales, seeds, code, optimizer="adam", policies=POLICIES,
+          same=None):
     base = cell_rows(runs, policy="none", S=1, lr=lr, budget=budget, optimizer=optimizer)
     base_steps = statistics.mean(r["steps"] for r in base) if base else math.nan
     lines = [title, "", "| policy | " + " | ".join(f"S = {s}" for s in scales) + " |",
              "|---|" + "---|" * len(scales)]
     for policy in policies:
         cells = [fmt_cell(cell_rows(runs, policy=policy, S=s, lr=lr, budget=budget, optimizer=optimizer),
-                          base_steps, code, seeds, gain=policy.startswith(ADASCALE))
+                          base_steps, code, seeds, gain=policy.startswith(ADASCALE), same=same)
                  for s in scales]
         lines.append(f"| {LABELS.get(policy, policy)} | " + " | ".join(cells) + " |")
     return lines
 
 
 def write_report(args, runs, code, seconds=None):
+    same = reproduced(runs, code)
     runs = latest(runs, code)
     scales = [int(s) for s in args.scales.split(",")]
     s1 = sorted((r for r in runs if ok(r) and r["S"] == 1 and r["seed"] == 0 and r["optimizer"] == "adam"),
@@ -321,14 +378,19 @@ def write_report(args, runs, code, seconds=None):
               f"gains under 1 BLEU: {t if t else 'not measured yet'}); baseline peak lr **{args.lr:g}** "
               f"(bracket {args.sweep}).", ""]
     lines += table(runs, f"## Converged baseline: T = {args.budget}", lr=args.lr, budget=args.budget,
-                   scales=scales, seeds=args.seeds, code=code)
+                   scales=scales, seeds=args.seeds, code=code, same=same)
     adamw = table(runs, "", lr=args.lr, budget=args.budget, scales=scales, seeds=args.seeds, code=code,
-                  optimizer="adamw", policies=[ADASCALE])
+                  optimizer="adamw", policies=[ADASCALE], same=same)
     lines += [adamw[-1].replace("| **adascale_adam** (horizons in progress)",
                                 "| AdamW (wd 0.01): adascale_adam (horizons in progress)")]
     lines += [""] + table(runs, f"## Short-budget regime: T = {SHORT_BUDGET} (S = 1 is not converged: "
                           "doubling T still gains ~12 BLEU)", lr=args.lr, budget=SHORT_BUDGET,
-                          scales=scales, seeds=args.seeds, code=code)
+                          scales=scales, seeds=args.seeds, code=code, same=same)
+    variants = [int(x) for x in args.variant_scales.split(",")]
+    lines += [""] + table(runs, f"## adascale_adam's choices (issue #21), converged T = {args.budget}: "
+                          "the default against one change each", lr=args.lr, budget=args.budget,
+                          scales=[1] + variants, seeds=args.seeds, code=code,
+                          policies=[ADASCALE] + VARIANTS, same=same)
     claim = [r for r in runs if ok(r) and r["policy"] == "warmup:rule=fixed,factor=5" and r["S"] == 8
              and r["budget"] == args.budget * 8 // 5 and r["lr"] == args.lr]
     if claim:
@@ -340,7 +402,15 @@ def write_report(args, runs, code, seconds=None):
     if errors:
         lines += ["", "## Errors", ""] + [f"- S = {r['S']} {r['policy']} seed {r['seed']} T {r['budget']}: "
                                           f"{r['error'][:300]}" for r in errors]
-    codes = sorted({r.get("code") for r in runs if ok(r)} - {code})
+    codes = sorted({r.get("code") for r in runs if ok(r) and not current_code(r, code, same)})
+    shown = {(c, p, o): r for (c, p, o), r in same.items() if any(
+        r2.get("code") == c and family(r2) == (p, o) for r2 in runs)}
+    if shown:
+        lines += ["", "## Runs of older code counted as today's (reproduced to the last bit)", "",
+                  "| code | policy | optimizer | rerun at today's code (same weights, BLEU, steps) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {c} | {p} | {o} | S = {r['S']} seed {r['seed']}: BLEU {r['bleu']:.2f}, "
+                  f"{r['steps']} steps |" for (c, p, o), r in sorted(shown.items())]
     lines += ["", "![BLEU vs S](bleu_vs_scale.png)", "",
               "![adascale_adam gain and lr vs tau](bleu_adascale.png)", "",
               f"- code: {code} (hash of {', '.join(CODE)})"
@@ -350,7 +420,7 @@ def write_report(args, runs, code, seconds=None):
               f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
               f"{platform.platform()}",
               f"- rerun: `.venv/bin/python benchmarks/transformer_bleu.py --phase PHASE` for each of curve, "
-              f"sweep, converged, short, claim (the defaults are this report's settings)"]
+              f"sweep, converged, short, claim, variants, verify (the defaults are this report's settings)"]
     (RESULTS / "bleu.md").write_text("\n".join(lines) + "\n")
     plot(runs, args, scales)
 
@@ -412,7 +482,8 @@ def plot(runs, args, scales):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=["curve", "sweep", "converged", "short", "claim"], action="append",
+    p.add_argument("--phase", choices=["curve", "sweep", "converged", "short", "claim", "variants",
+                                       "verify"], action="append",
                    default=[], help="what to run (repeatable); none: only the report")
     p.add_argument("--budget", type=int, default=2400, help="T of the converged table (from the curve)")
     p.add_argument("--lr", type=float, default=0.008, help="the baseline peak lr (from the sweep)")
@@ -424,6 +495,10 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default="", help="';'-separated subset of the policies at S > 1")
     p.add_argument("--scales", default="1,8,32,128")
     p.add_argument("--no-adamw", dest="adamw", action="store_false", help="skip the AdamW row")
+    p.add_argument("--adamw-max-scale", type=int, default=32,
+                   help="the AdamW row runs every seed up to this S (seed 0 above)")
+    p.add_argument("--variant-scales", default="32,128",
+                   help="S of --phase variants (every seed up to 32, seed 0 above)")
     p.add_argument("--log-scales", default="8,32,128",
                    help="adascale_adam runs (seed 0, converged) that keep a metrics log for the plot")
     p.add_argument("--timeout", type=float, default=3600, help="wall-clock limit of one run, seconds")
@@ -448,7 +523,7 @@ def main(argv=None) -> int:
                 if phase == "converged" and s["policy"] == ADASCALE and s["seed"] == 0 \
                         and s["scale"] in logged and s["optimizer"] == "adam":
                     s["log_dir"] = log_dir(s["policy"], s["scale"])
-            runner.ensure(specs)
+            runner.ensure(specs, rerun=phase == "verify")
     write_report(args, runner.runs, runner.code, time.perf_counter() - start)
     print((RESULTS / "bleu.md").read_text())
     return 0

@@ -52,6 +52,8 @@ _STATE_KEYS = {"version", "policy", "steps", "progress", "skipped", "lr_factor",
 SGD_FAMILY = frozenset({"SGD"})
 # adascale_adam's moment horizons: in progress (betas follow the gain) or in optimizer steps.
 MOMENTS = ("progress", "steps")
+# Which step's gain those horizons follow: the current one (tau's advance) or the previous one's.
+HORIZONS = ("current", "previous")
 ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "Nadam", "RAdam"})
 
 
@@ -342,6 +344,12 @@ class Policy:
         """The bias correction of Adam's v after the framework's ``steps`` updates: 1 - beta2 **
         steps (with adascale_adam's horizons in progress, 1 - beta2 ** tau)."""
         return bias_correction(beta2, steps)
+
+    def moment_horizon(self, info: StepInfo) -> tuple[float, float]:
+        """For adascale_adam's horizons in progress: the gain r the betas follow in the step
+        ``info`` (beta -> beta^r) and the sum of those gains so far (the bias correction's
+        exponent before ``moment_progress``): (r, tau) by default."""
+        return info.gain, info.progress
 
     def skip(self) -> None:
         """Count a skipped step (non-finite gradients): nothing else changes."""
@@ -647,7 +655,12 @@ class AdaScaleAdam(AdaScale):
                            "the gain, horizons fixed in baseline steps; steps: left as the user "
                            "set them (AdaptDL's AdamScale)"),
                "max_gain": (_at_least_one, "a cap on the gain r each step applies (lr x sqrt(r), "
-                            "tau += r, betas^r); default 8 (moments=steps: none), inf: none")}
+                            "tau += r, betas^r); default 8 (moments=steps: none), inf: none"),
+               "horizon": (_choice(*HORIZONS), "current (default): the betas follow the gain this "
+                           "step applies; previous: the gain the previous step applied (torch; "
+                           "measured on B4 for comparison)"),
+               "lr_power": (_exponent, "the lr factor r^p; default 0.5 (sqrt: Adam's SDE scaling "
+                            "rule; other values measured on B4 for comparison)")}
     statistics = "preconditioned"
     # The optimizers whose update hvd_scale.moments knows how to drive (NAdam's momentum decay and
     # RAdam's rectification are counted in steps).
@@ -673,6 +686,9 @@ class AdaScaleAdam(AdaScale):
             del opts["moments"]
         if opts.get("max_gain") == (self.DEFAULT_MAX_GAIN if self.moments_in_progress else math.inf):
             del opts["max_gain"]
+        for option, default in (("horizon", "current"), ("lr_power", 0.5)):
+            if opts.get(option) == default:
+                del opts[option]
         return opts
 
     def second_moment_correction(self, beta2: float, steps: float) -> float:
@@ -680,7 +696,28 @@ class AdaScaleAdam(AdaScale):
         # framework's steps the policy did not account, as gain 1: ``moment_progress``).
         if not self.moments_in_progress:
             return bias_correction(beta2, steps)
-        return bias_correction(beta2, moment_progress(self.progress, self.steps, int(steps)))
+        exponent = self.progress
+        if self.horizon == "previous":  # r_0 = 1, r_1 ... r_{t-1}: 1 + tau - r_t
+            exponent = 1.0 + self.progress - self._applied_gain()
+        return bias_correction(beta2, moment_progress(exponent, self.steps, int(steps)))
+
+    # Which gain the betas follow. The current step's (default): the moments forget exactly the
+    # progress the step is credited with, and the exponents add up to tau. The previous step's
+    # (measured for comparison on B4, benchmarks/README.md): the betas of step t follow r_{t-1}
+    # (r_0 = 1), the exponents add up to 1 + tau_{t-1}. Both are derived from tau and the
+    # estimates, so a checkpoint needs nothing more.
+    @property
+    def horizon(self) -> str:
+        return self._options.get("horizon", "current")
+
+    def _applied_gain(self) -> float:
+        """The gain the latest step applied (1 for the unmeasured first steps, and before any)."""
+        return self.gain if self.steps > self.MIN_ADAM_HISTORY else 1.0
+
+    def moment_horizon(self, info: StepInfo) -> tuple[float, float]:
+        if self.horizon == "previous":
+            return self._previous_gain, 1.0 + info.progress_before
+        return info.gain, info.progress
 
     # The gain a step applies is capped (``max_gain``): measured on B4 (benchmarks/README.md), at
     # S = 128 the gain climbs to the 50s late in the schedule, where beta1^r = 0.9^50 leaves Adam
@@ -701,10 +738,12 @@ class AdaScaleAdam(AdaScale):
         return min(self.estimator.gain, self.max_gain)
 
     def factor(self) -> float:
-        return math.sqrt(self.gain)
+        power = self._options.get("lr_power", 0.5)
+        return math.sqrt(self.gain) if power == 0.5 else self.gain ** power
 
     def step(self, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale=None,
              max_factor=None) -> StepInfo:
+        self._previous_gain = self._applied_gain()
         if self.steps >= self.MIN_ADAM_HISTORY:
             return super().step(sqnorm_sum, mean_sqnorm, n, scale=scale, max_factor=max_factor)
         # Bad statistics fail as in a measured step (on a copy: the estimates stay untouched).

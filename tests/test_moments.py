@@ -202,3 +202,79 @@ def test_checkpoint_saved_before_the_cap_resumes_only_uncapped():
         make_policy("adascale_adam", scale=4).load_state_dict(state)
     steps = {**make_policy("adascale_adam:moments=steps", scale=4).state_dict(), "version": 3}
     make_policy("adascale_adam:moments=steps", scale=4).load_state_dict(steps)
+
+
+def reference_previous(grads, gains, *, lr=LR):
+    """The rule by hand with the betas of step t following the previous step's gain r_{t-1}
+    (r_0 = 1): betas^r_{t-1}, eps / sqrt(r_{t-1}), bias correction 1 - beta^(r_0 + ... + r_{t-1}),
+    lr x sqrt(r_t) (torch's eps placement)."""
+    m = v = 0.0
+    w, exponent, previous = np.ones_like(grads[0]), 0.0, 1.0
+    for g, r in zip(grads, gains):
+        exponent += previous
+        b1, b2 = B1 ** previous, B2 ** previous
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        c1, c2 = 1 - B1 ** exponent, 1 - B2 ** exponent
+        w = w - lr * math.sqrt(r) / c1 * m / (np.sqrt(v / c2) + EPS / math.sqrt(previous))
+        previous = r
+    return w
+
+
+def test_horizon_previous_follows_the_previous_steps_gain():
+    """adascale_adam:horizon=previous (measured on B4 against the default): the framework
+    formula with the settings the adapters compute equals the rule by hand, and differs from
+    the default; the second moment's correction between steps uses the same exponents."""
+    from hvd_scale.adapters.core import Scaling
+
+    class OneRank:
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    rng = np.random.default_rng(1)
+    grads = [rng.normal(size=5) * 1e-3 for _ in range(40)]
+    results = {}
+    for spec in ("adascale_adam:horizon=previous", "adascale_adam"):
+        scaling = Scaling(OneRank(), policy=spec, passes=8, scale=8, budget=None,
+                          optimizer_name="Adam", framework="numpy", groups=1, measure=True)
+        policy, gains = scaling.policy, []
+        m = v = 0.0
+        w = np.ones(5)
+        for t, g in enumerate(grads, start=1):
+            # Noise-only statistics: the gain climbs from 1 towards S once measured (step 21 on).
+            info = policy.step([8.0 * (1 + 0.1 * t)], [1.0], 8)
+            scaling.last_step = info
+            gains.append(info.gain)
+            s = scaling.adam_step(base_lr=LR, lr_factor=info.lr_factor, beta1=B1, beta2=B2,
+                                  eps=EPS, framework_step=t, eps_placement=EPS_CORRECTED)
+            m = s.beta1 * m + (1 - s.beta1) * g
+            v = s.beta2 * v + (1 - s.beta2) * g * g
+            f1, f2 = 1 - s.beta1 ** t, 1 - s.beta2 ** t
+            w = w - s.lr / f1 * m / (np.sqrt(v) / math.sqrt(f2) + s.eps)
+            expected = 1 + policy.progress - gains[-1] if "previous" in spec else policy.progress
+            assert policy.second_moment_correction(B2, t) == pytest.approx(1 - B2 ** expected)
+        results[spec] = w
+        assert len(set(gains[21:])) > 5 and max(gains) > 2  # the gains vary: the test can fail
+    np.testing.assert_allclose(results["adascale_adam:horizon=previous"],
+                               reference_previous(grads, gains), rtol=1e-12)
+    np.testing.assert_allclose(results["adascale_adam"], reference(grads, gains, EPS_CORRECTED),
+                               rtol=1e-12)
+    assert not np.allclose(results["adascale_adam"], results["adascale_adam:horizon=previous"],
+                           rtol=1e-4)
+
+
+def test_lr_power_sets_the_lr_factor_and_defaults_to_sqrt():
+    policy = _noisy_steps(make_policy("adascale_adam:lr_power=0.75,max_gain=inf", scale=16))
+    info = policy.step([16.0], [1e-12], 16)
+    assert info.gain > 4 and info.lr_factor == pytest.approx(info.gain ** 0.75)
+    assert info.progress - info.progress_before == info.gain  # tau still advances by r
+    default = make_policy("adascale_adam:lr_power=0.5,horizon=current", scale=16)
+    assert default.spec == "adascale_adam"  # the defaults spell one behaviour
+    assert _noisy_steps(default).step([16.0], [1e-12], 16).lr_factor == math.sqrt(8.0)
+    with pytest.raises(ValueError, match=r"lr_power='2': expected a number in \[0, 1\]"):
+        make_policy("adascale_adam:lr_power=2", scale=4)
+    with pytest.raises(ValueError, match=r"horizon='next': expected one of \['current', 'previous'\]"):
+        make_policy("adascale_adam:horizon=next", scale=4)

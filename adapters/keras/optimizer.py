@@ -137,6 +137,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                 not all(hasattr(owner, a) for a in _ADAM_SLOTS):
             raise ValueError(f"policy {scaling.policy.name!r} measures Adam-preconditioned "
                              f"gradients, but {optimizer_name} has no second moment (beta_2, epsilon)")
+        if getattr(scaling.policy, "horizon", "current") != "current":
+            # The traced statistics take the bias correction's exponent as tau (state[_PROGRESS]).
+            raise ValueError(f"policy {scaling.policy.spec!r}: horizon="
+                             f"{scaling.policy.horizon} is supported by the torch adapter only; "
+                             "use the default (horizon=current) with Keras")
 
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
