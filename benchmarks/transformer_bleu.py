@@ -520,7 +520,7 @@ def main(argv=None) -> int:
         for phase in args.phase:
             specs = phase_specs(args, phase)
             for s in specs:
-                if phase == "converged" and s["policy"] == ADASCALE and s["seed"] == 0 \
+                if phase in ("converged", "verify") and s["policy"] == ADASCALE and s["seed"] == 0 \
                         and s["scale"] in logged and s["optimizer"] == "adam":
                     s["log_dir"] = log_dir(s["policy"], s["scale"])
             runner.ensure(specs, rerun=phase == "verify")
