@@ -7,11 +7,14 @@ apply. No framework is imported here: the Horovod module is passed in (``Horovod
 
 from __future__ import annotations
 
+import collections
 import math
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from hvd_scale import goodput
 from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
 from hvd_scale.adapters.log import MetricsLogger
 from hvd_scale.moments import EPS_CORRECTED, AdamStep, adam_step, moment_progress
@@ -35,6 +38,63 @@ USER_SETTINGS = ("lr", "beta1", "beta2", "eps", "weight_decay", "framework_step"
 PLAN = ("lr_factor", "lr", "beta1", "beta2", "eps", "weight_decay")
 
 
+# adapt="goodput": every this many steps the ranks agree on k, the passes per step, from the
+# goodput argmax (``hvd_scale.goodput.choose_passes``); a change needs this much more predicted
+# goodput than staying. The decision is rank 0's (its timings), broadcast: one small collective
+# per interval.
+ADAPT = ("goodput",)
+ADAPT_EVERY = 50
+ADAPT_HYSTERESIS = 0.05
+
+
+class StepClock:
+    """Where each step's time goes (``hvd_scale.goodput``'s model), from host time stamps at
+    points the adapter passes anyway: no synchronisation is added. A step's passes take from the
+    previous step's end to the wait for its gradients (``waiting``), the wait lasts until
+    ``waited``, the update until the step's end (``ended``): known only after the step, so each
+    step's row carries the previous step's update. The first step after construction has no
+    previous end: its times are nan and not kept."""
+
+    HISTORY = 400  # steps kept for the model (``goodput.fit_step_time``)
+
+    def __init__(self):
+        self._end = self._wait = self._waited = None
+        self._update = math.nan
+        self.history: collections.deque = collections.deque(maxlen=self.HISTORY)
+
+    def waiting(self) -> None:
+        self._wait = time.perf_counter()
+
+    def waited(self) -> None:
+        self._waited = time.perf_counter()
+
+    def ended(self) -> None:
+        now = time.perf_counter()
+        if self._waited is not None:
+            self._update = now - self._waited
+        self._end, self._wait, self._waited = now, None, None
+
+    def lap(self, passes: int, workers: int) -> dict[str, float]:
+        """This step's ``hvd_scale.metrics.TIMING_METRICS``; a complete row joins the history."""
+        compute = wait = math.nan
+        if None not in (self._end, self._wait, self._waited):
+            compute, wait = self._wait - self._end, self._waited - self._wait
+        row = (passes, compute, wait, self._update)
+        if all(math.isfinite(x) for x in row):
+            self.history.append((workers,) + row)
+        return {"passes": float(passes), "pass_time": compute / passes, "allreduce_time": wait,
+                "update_time": self._update, "step_time": compute + wait + self._update}
+
+    def model(self, workers: int) -> goodput.StepTimeModel | None:
+        """The step-time model fitted to the kept steps at ``workers`` (None without any)."""
+        rows = [r[1:] for r in self.history if r[0] == workers]
+        if not rows:
+            return None
+        k, compute, wait, update = zip(*rows)
+        # One micro-batch size: the model is in passes (m = 1 in its own units).
+        return goodput.fit_step_time(k, [1.0] * len(k), compute, wait, update, workers=workers)
+
+
 def run_step(opt, closure=None):
     """One optimizer step, the same sequence for every adapter (``protocol.FrameworkOptimizer``):
     the step's statistics reduced over workers, the policy's plan on the host, the inner update
@@ -48,6 +108,28 @@ def precondition(grad, second_moment, correction, eps, sqrt):
     """Adam's preconditioned gradient g / (sqrt(v / c2) + eps), c2 = 1 - beta2^t the bias
     correction of v (``Policy.second_moment_correction``), in any framework's ops (``sqrt``)."""
     return grad / (sqrt(second_moment / correction) + eps)
+
+
+def check_adapt(adapt: Any, max_passes: Any, every: Any, passes: int,
+                measure: bool | None) -> tuple[str | None, int | None, int]:
+    """(adapt, max_passes, every), validated: adapt None or "goodput"; with it, max_passes an
+    int >= the starting k, every an int >= 1, and the statistics measured."""
+    if adapt is None:
+        if max_passes is not None:
+            raise ValueError(f"max_passes={max_passes!r} is for adapt='goodput' (adapt is None)")
+        return None, None, ADAPT_EVERY
+    if adapt not in ADAPT:
+        raise ValueError(f"adapt must be None or one of {list(ADAPT)}, got {adapt!r}")
+    k = check_passes(max_passes) if max_passes is not None else None
+    if k is None or k < passes:
+        raise ValueError(f"adapt={adapt!r} needs max_passes, an integer >= backward_passes_per_step "
+                         f"({passes}), got {max_passes!r}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"adapt_every must be an integer >= 1, got {every!r}")
+    if measure is False:
+        raise ValueError("adapt='goodput' needs the gradient statistics (the gain at another k): "
+                         "measure=False cannot go with it")
+    return adapt, k, every
 
 
 def check_passes(backward_passes_per_step: Any) -> int:
@@ -93,6 +175,9 @@ class Scaling:
         lr_names: how errors name each group's lr at a step (``check_lrs``); default "lr" for
             one group, else ``param_groups[i]['lr']``.
         eps_placement: where the framework's Adam puts eps (``hvd_scale.moments``).
+        adapt, max_passes, adapt_every: "goodput" to let the ranks agree on k (up to
+            ``max_passes``) every ``adapt_every`` steps (``adapted_passes``); the adapter applies
+            it (``set_passes``).
     """
 
     def __init__(self, hvd, *, policy: str | Policy | None, passes: int, scale: float | None,
@@ -102,7 +187,9 @@ class Scaling:
                  log_dir: str | None = None, nonfinite: str = "skip", short_steps: bool = False,
                  guard: SharpnessGuard | None = None, agreed: Mapping[str, Any] | None = None,
                  check: Callable[[Policy], None] | None = None, elastic: bool = False,
-                 lr_names: Sequence[str] | None = None, eps_placement: str = EPS_CORRECTED):
+                 lr_names: Sequence[str] | None = None, eps_placement: str = EPS_CORRECTED,
+                 adapt: str | None = None, max_passes: int | None = None,
+                 adapt_every: int = ADAPT_EVERY):
         self.hvd = hvd
         self.elastic = elastic
         self.lr_names = tuple(lr_names) if lr_names is not None else \
@@ -114,6 +201,12 @@ class Scaling:
             stability_limit(1.0, optimizer=optimizer_name)  # an optimizer it has no limit for: now
         self.guard = guard
         self.passes = check_passes(passes)
+        self.adapt, self.max_passes, self.adapt_every = check_adapt(adapt, max_passes, adapt_every,
+                                                                    self.passes, measure)
+        if self.adapt is not None:
+            measure = True  # the gain at another k needs sigma2 and mu2
+        self.clock = StepClock()
+        self._timing = self.clock.lap(self.passes, 1)  # all nan: no step timed yet
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -132,6 +225,7 @@ class Scaling:
         self.policy = self._agreed_policy(policy, scale, budget, base_lrs, check, lambda built: {
             "backward_passes_per_step": self.passes, "lr": base_lrs, "parameter groups": groups,
             "measure": measured(built), "nonfinite": nonfinite, "guard": guard_settings,
+            "adapt": self.adapt, "max_passes": self.max_passes, "adapt_every": self.adapt_every,
             **(agreed or {})})
         # Decided alike on every rank (compared above): the statistics allreduce must run on all
         # of them or none.
@@ -189,6 +283,7 @@ class Scaling:
         """
         self.check_lrs({"lr": base_lr})
         self.follow_world_size()
+        self._timing = self.clock.lap(self.passes, self._world_size)
         if statistics is not None:
             values = np.asarray(statistics, dtype=np.float64)
             finite = bool(finite) and bool(np.all(np.isfinite(values)))
@@ -337,13 +432,52 @@ class Scaling:
         else:
             self.policy.rescale(scale)
 
+    def set_passes(self, passes: int) -> None:
+        """k passes per step from the next step on (alike on every rank): S follows in
+        proportion, so the policy's factor and tau's advance are those of the new S."""
+        k = check_passes(passes)
+        if k != self.passes:
+            self.policy.rescale(self.policy.scale * k / self.passes)
+            self.passes = k
+
+    def adapted_passes(self) -> int:
+        """adapt="goodput": every ``adapt_every`` steps, the k of largest predicted goodput
+        (``goodput.choose_passes``) from rank 0's step times and the estimates, broadcast so that
+        every rank takes the same; else the current k. Call after each step, on every rank."""
+        steps = self.policy.steps
+        if self.adapt is None or steps == 0 or steps % self.adapt_every:
+            return self.passes
+        choice = self.passes
+        if self.hvd.rank() == 0:
+            choice = self._goodput_choice()
+        if self.hvd.size() > 1:
+            choice = self.hvd.broadcast_object(choice, root_rank=0, name="hvd_scale.passes")
+        if choice != self.passes and self.hvd.rank() == 0:
+            print(f"hvd_scale: step {steps}, tau {self.policy.progress:g}: {self.passes} -> "
+                  f"{choice} passes per step (S {self.policy.scale:g} -> "
+                  f"{self.policy.scale * choice / self.passes:g}; adapt='goodput')", flush=True)
+        return choice
+
+    def _goodput_choice(self) -> int:
+        model = self.clock.model(self._world_size)
+        estimator = self.policy.estimator
+        if model is None or math.isnan(estimator.sigma2):
+            return self.passes
+        # In units of one micro-batch: S = W k u, u = S / (W k) baseline batches.
+        unit = self.policy.scale / (self._world_size * self.passes)
+        return goodput.choose_passes(model, estimator.sigma2, estimator.mu2, current=self.passes,
+                                     max_passes=self.max_passes, micro_batch=1.0,
+                                     base_batch=1.0 / unit,
+                                     max_gain=getattr(self.policy, "max_gain", math.inf),
+                                     hysteresis=ADAPT_HYSTERESIS)
+
     # -- what is read --------------------------------------------------------------------------------
     def metrics(self, policy: Policy | None = None) -> dict[str, float]:
         """``hvd_scale.metrics.STEP_METRICS``: the policy's (``policy``: as the adapter holds it;
         default this one), the lr the latest step applied, and the guard's (nan and inf without
         one)."""
         guard = UNGUARDED_METRICS if self.guard is None else self.guard.metrics()
-        return {**(policy or self.policy).metrics(), "lr": self.last_lr, **guard}
+        return {**(policy or self.policy).metrics(), "lr": self.last_lr, **guard, **self._timing}
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def loaded_policy(self, state: dict) -> Policy:

@@ -33,6 +33,12 @@ METRICS: dict[str, str] = {
                  "preconditioned for Adam); nan without a guard",
     "lr_cap": "largest lr the guard allows: margin x the optimizer's stability limit for that "
               "sharpness; inf without a guard or estimate",
+    "passes": "k, backward passes per worker the latest step announced (adapt='goodput' changes it)",
+    "pass_time": "seconds of one backward pass in the latest step: from the previous step's end to "
+                 "the wait for the gradients, over its passes (forward, backward, data loading)",
+    "allreduce_time": "seconds the latest step waited for the gradients' allreduce after its passes",
+    "update_time": "seconds of the previous step's update (after the wait, to the step's end)",
+    "step_time": "passes x pass_time + allreduce_time + update_time (hvd_scale.goodput's model)",
     "loss": "the loss passed to log_loss() for the step",
     "time": "seconds since the log was opened",
 }
@@ -42,9 +48,13 @@ POLICY_METRICS = ("step", "progress", "gain", "lr_factor", "scale", "sigma2", "m
                   "efficiency", "skipped")
 # The lr guard's (hvd_scale.guard; torch only), in every adapter's metrics() and the log.
 GUARD_METRICS = ("sharpness", "lr_cap")
-STEP_METRICS = POLICY_METRICS + ("lr",) + GUARD_METRICS
+# Where a step's time goes (``hvd_scale.goodput``), timed by the torch adapter on the host (no
+# synchronisation); nan in Keras, whose step runs inside a traced function.
+TIMING_METRICS = ("passes", "pass_time", "allreduce_time", "update_time", "step_time")
+STEP_METRICS = POLICY_METRICS + ("lr",) + GUARD_METRICS + TIMING_METRICS
 # Keras puts these into every batch and epoch ``logs`` (the loss is Keras's own there).
-LOGS_METRICS = tuple(k for k in STEP_METRICS if k not in ("step", "skipped") + GUARD_METRICS)
+LOGS_METRICS = tuple(k for k in STEP_METRICS
+                     if k not in ("step", "skipped") + GUARD_METRICS + TIMING_METRICS)
 
 
 def check_names(names) -> None:

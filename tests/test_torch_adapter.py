@@ -176,20 +176,64 @@ def test_adascale_adam_uses_sqrt_gain(results):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+@pytest.mark.parametrize("kind", ["Adam", "AdamW", "capped"])
 def test_adam_moment_horizons_follow_the_gain(results, kind):
     """adascale_adam's default against a one-process reference applying the rule by hand: betas^r,
-    eps / sqrt(r), bias correction 1 - beta^tau, AdamW's decay (1 - lr wd)^r per step."""
+    eps / sqrt(r), bias correction 1 - beta^tau, AdamW's decay (1 - lr wd)^r per step.
+    "capped": max_gain=1.5 below the gains measured at S = 4, so the cap binds: the capped r is
+    the one applied everywhere (lr, tau, betas)."""
     r0, r1 = (r[kind] for r in both_ranks(results, "adam_horizons"))
     assert r0["rows"] == r1["rows"] and r0["scale"] == 4
     rows = r0["rows"]
-    assert max(row["gain"] for row in rows) > 1.5  # the rule is exercised, not only r = 1
+    if kind == "capped":
+        bound = [row for row in rows if row["measured"] > 1.5]
+        assert len(bound) >= 3 and all(row["gain"] == 1.5 for row in bound)
+        assert all(row["lr_factor"] == math.sqrt(1.5) for row in bound)
+    else:
+        assert max(row["gain"] for row in rows) > 1.5  # the rule is exercised, not only r = 1
     for row in rows:
         assert row["diff"] < 1e-12, row
     # The user's values, whatever each step set: after the steps, in the checkpoint, resumed.
     user = [[0.9, 0.98], 1e-6, 0.05 if kind == "AdamW" else 0.0, 0.01]
     assert r0["after"] == r0["saved"] == r0["resumed"] == user
     assert r0["resumed_progress"] == rows[-1]["progress"]
+
+
+@pytest.mark.timeout(300)
+def test_passes_changed_mid_run_equal_the_one_process_reference(results):
+    """Issue #24: k = 1, 3, 2 (set_passes, as adapt='goodput' does): S = 2k each step, and gain,
+    tau and weights equal the one-process reference replaying the same micro-batches; the step
+    times are measured (finite after the first step); a checkpoint saved at k = 3 resumes there
+    in an optimizer built at k = 1, Horovod's accumulation counters included."""
+    r0, r1 = both_ranks(results, "passes_change")
+    assert [row["gain"] for row in r0["rows"]] == [row["gain"] for row in r1["rows"]]
+    progress = 0.0
+    for row in r0["rows"]:
+        assert row["scale"] == NP * row["k"]
+        assert close(row["gain"], row["ref_gain"]) and row["diff"] < 1e-9, row
+        progress += row["gain"]
+        assert close(row["progress"], progress)
+        assert row["timing"]["passes"] == row["k"]
+    assert max(row["gain"] for row in r0["rows"] if row["k"] == 3) > 2  # measured at S = 6
+    for row in r0["rows"][1:]:
+        t = row["timing"]
+        assert all(t[key] > 0 for key in ("pass_time", "allreduce_time", "update_time")), t
+        assert close(t["step_time"], row["k"] * t["pass_time"] + t["allreduce_time"] + t["update_time"])
+    assert math.isnan(r0["rows"][0]["timing"]["pass_time"])  # no previous step's end to time from
+    assert r0["saved_passes"] == 3
+    assert r0["resumed"] == {"k": 3, "scale": 6.0, "progress": r0["rows"][3]["progress"],
+                             "horovod_k": 3}
+
+
+@pytest.mark.timeout(300)
+def test_adapt_goodput_ranks_agree_and_accumulate_where_the_allreduce_dominates(results):
+    r0, r1 = both_ranks(results, "adapt_goodput")
+    assert r0["ks"] == r1["ks"] and r0["checksum"] == r1["checksum"]
+    # k changes only at multiples of adapt_every (5) and ends above 1 here.
+    assert all(a == b for i, (a, b) in enumerate(zip(r0["ks"], r0["ks"][1:]), start=1) if i % 5)
+    assert r0["final_k"] > 1 and r0["scale"] == NP * r0["final_k"], r0
+    model = r0["model"]
+    assert model["allreduce"] > model["compute"] > 0, model
 
 
 @pytest.mark.timeout(300)

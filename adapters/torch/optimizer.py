@@ -30,7 +30,8 @@ import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters import environment
-from hvd_scale.adapters.core import USER_SETTINGS, Readout, Scaling, precondition, run_step
+from hvd_scale.adapters.core import (ADAPT_EVERY, USER_SETTINGS, Readout, Scaling, check_passes,
+                                     precondition, run_step)
 from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
@@ -162,6 +163,13 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             measured on each worker's batch and averaged, and lr x factor is capped at the
             optimizer's stability limit (SGD, Adam, AdamW). Its steps need
             ``step(guard_loss=fn)``: ``fn()`` returns this worker's loss on its current batch.
+        adapt: "goodput" to adapt k while training: every ``adapt_every`` steps the ranks agree
+            on the k in [1, max_passes] of largest predicted goodput (``hvd_scale.goodput``: the
+            gain at the new S over the step time at that k, from this job's timings), with
+            hysteresis. S follows k (the policy's factor and tau are the new S's); the training
+            loop takes ``opt.backward_passes_per_step`` passes before each step (read it every
+            step). The k in use is saved in ``state_dict()`` and restored on load.
+        max_passes: the largest k adapt may choose (>= backward_passes_per_step).
         **horovod_options: compression, op, gradient_predivide_factor, groups, sparse_as_dense,
             process_set: passed to ``hvd.DistributedOptimizer``. With a ``process_set``, S, n, the
             policy agreement and the statistics are the set's, as the averaged gradients are.
@@ -174,7 +182,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                  scale: float | None = None, budget: float | None = None,
                  grad_scaler: Any = None, measure: bool | None = None, log_dir: str | None = None,
                  nonfinite: str = "skip", guard: SharpnessGuard | None = None,
-                 **horovod_options: Any):
+                 adapt: str | None = None, max_passes: int | None = None,
+                 adapt_every: int = ADAPT_EVERY, **horovod_options: Any):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
@@ -192,7 +201,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                                check=lambda _: _check_op(op), elastic=environment.elastic(),
                                lr_names=[f"param_groups[{i}]['lr']"
                                          for i in range(len(optimizer.param_groups))],
-                               eps_placement=EPS_CORRECTED)
+                               eps_placement=EPS_CORRECTED, adapt=adapt,
+                               max_passes=max_passes, adapt_every=adapt_every)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self._measure = self.scaling.measure
@@ -219,6 +229,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self._hooks = []
         trained = [(gi, p) for gi, group in enumerate(self.param_groups)
                    for p in group["params"] if p.requires_grad]
+        self._trained = len(trained)
         self._all_gradients = len(trained) * backward_passes_per_step  # a full step's
         self._hooks_paused = False  # the guard's Hessian-vector products are not passes
         # One pass per step: p.grad is that pass's gradient when Horovod's own hook sends it, so
@@ -227,7 +238,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         # gradient is seen only by a tensor hook, before it is added into p.grad.
         # Horovod hooks the parameters only where it allreduces (not in a one-process job that
         # is not elastic): there the tensor hooks count the pass.
-        self._bucketed = (self._measure and backward_passes_per_step == 1
+        # (adapt: k may change, so the tensor hooks serve every k.)
+        self._bucketed = (self._measure and backward_passes_per_step == 1 and adapt is None
                           and horovod_options.get("groups") is None
                           and bool(self._hvd_opt._requires_update))
         self._sending_rest = False  # Horovod's synchronize() sends what backward did not produce
@@ -433,6 +445,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``.
         Afterwards p.grad holds the mean micro-gradient (see ``_to_mean_gradient``)."""
         self._check_no_parameter_unfrozen()
+        self.scaling.clock.waiting()
         step = self._step
         if step.pending is not None:
             # The previous step's statistics were never used: its step was skipped (AMP overflow).
@@ -456,6 +469,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
             step.pending = torch.cat([summed, self.mean_sqnorms()])
         step.synchronized = True
+        self.scaling.clock.waited()
 
     def _check_no_parameter_unfrozen(self) -> None:
         """A parameter made trainable after the optimizer was built has neither Horovod's
@@ -491,7 +505,29 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         batch (a fresh forward pass; no backward), called on the guard's steps only.
         """
         self._step.guard_loss = guard_loss
-        return run_step(self, closure)
+        result = run_step(self, closure)
+        self.scaling.clock.ended()
+        self.set_passes(self.scaling.adapted_passes())
+        return result
+
+    def set_passes(self, passes: int) -> None:
+        """Take k backward passes per step from the next step on; call it on every rank at the
+        same step, between steps (adapt="goodput" does). S follows in proportion (the policy's
+        factor and tau's advance are the new S's), and so do Horovod's accumulation counters."""
+        k = check_passes(passes)
+        if k == self.backward_passes_per_step:
+            return
+        if self._step.fired_total or self._hvd_opt._handles:
+            raise RuntimeError("set_passes() between backward passes of a step: call it after "
+                               "step() and before the next step's first backward pass")
+        if k > 1 and self._bucketed:
+            raise ValueError(f"set_passes({k}): this optimizer was built for one pass per step "
+                             "with its norms taken in Horovod's buckets; build it with "
+                             "backward_passes_per_step > 1 or adapt='goodput' to change k")
+        self.scaling.set_passes(k)
+        self._hvd_opt.set_backward_passes_per_step(k)
+        self.backward_passes_per_step = k
+        self._all_gradients = self._trained * k
 
     # -- the hooks of adapters/protocol.py ---------------------------------------------------------
     def reduced_statistics(self):
@@ -605,6 +641,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         state = {"inner": self._hvd_opt.state_dict(), "hvd_scale": self.policy.state_dict()}
         if self.scaling.guard is not None:
             state["guard"] = self.scaling.guard.state_dict()
+        if self.scaling.adapt is not None:
+            state["passes"] = self.backward_passes_per_step
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -616,10 +654,19 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         that did not load keeps its own steps, tau and estimates (detected at the first step:
         ``Scaling.agree_on_state``; a later load on some ranks only is not)."""
         if not isinstance(state_dict, dict) or not {"inner", "hvd_scale"} <= set(state_dict) \
-                or not set(state_dict) <= {"inner", "hvd_scale", "guard"}:
+                or not set(state_dict) <= {"inner", "hvd_scale", "guard", "passes"}:
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"expected a state_dict with keys ['hvd_scale', 'inner'] and "
-                             f"optionally 'guard' (from DistributedOptimizer.state_dict()), got {got}")
+                             f"optionally 'guard' and 'passes' (from DistributedOptimizer.state_dict()), "
+                             f"got {got}")
+        passes = state_dict.get("passes", self.backward_passes_per_step)
+        if passes != self.backward_passes_per_step and (
+                self.scaling.adapt is None or not 1 <= check_passes(passes) <= self.scaling.max_passes):
+            raise ValueError(f"checkpoint was saved at {passes!r} passes per step (adapt='goodput'); "
+                             f"this optimizer takes {self.backward_passes_per_step}"
+                             + ("" if self.scaling.adapt is None else
+                                f" and at most max_passes={self.scaling.max_passes}")
+                             + ": build it with adapt='goodput' and a max_passes that allows it")
         inner_groups = state_dict["inner"]["param_groups"]
         if len(inner_groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(inner_groups)} parameter group(s), this "
@@ -639,6 +686,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         if self._step.stats_handle is not None:  # statistics in flight: finish, then drop them
             hvd.synchronize(self._step.stats_handle)
         self._step = self._new_step()
+        self.set_passes(passes)  # the policy was built at this optimizer's S: follow the saved k
 
     def _check_inner_state(self, inner: dict) -> None:
         """The inner optimizer's checkpoint must be of this model: torch loads state tensors of

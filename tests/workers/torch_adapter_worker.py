@@ -6,6 +6,7 @@ therefore also rebuild *all* ranks' micro-batches to compute a single-process re
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -353,12 +354,15 @@ def case_adam_horizons():
     the state so) counts in the bias correction as one baseline step."""
     k, size, lr, betas, eps = 2, hvd.size(), 0.01, (0.9, 0.98), 1e-6
     out = {}
-    for kind, wd in (("Adam", 0.0), ("AdamW", 0.05)):
+    # "capped": a cap below the gains measured here (S = 4), so it binds (issue #21's cap).
+    for label, kind, wd, spec in (("Adam", "Adam", 0.0, "adascale_adam"),
+                                  ("AdamW", "AdamW", 0.05, "adascale_adam"),
+                                  ("capped", "Adam", 0.0, "adascale_adam:max_gain=1.5")):
         model = make_model()
         inner = getattr(torch.optim, kind)(model.parameters(), lr=lr, betas=betas, eps=eps,
                                            weight_decay=wd)
         opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                   policy="adascale_adam", backward_passes_per_step=k)
+                                   policy=spec, backward_passes_per_step=k)
         offset = 1 if kind == "AdamW" else 0  # broadcast_state's zero-gradient step
         if offset:
             broadcast_state(model, opt)
@@ -389,6 +393,7 @@ def case_adam_horizons():
                     c1, c2 = 1 - betas[0] ** (tau + offset), 1 - betas[1] ** (tau + offset)
                     p.sub_(lr * info.lr_factor / c1 * m / ((v / c2).sqrt() + eps / math.sqrt(r)))
             rows.append({"gain": r, "lr_factor": info.lr_factor, "progress": tau,
+                         "measured": opt.policy.estimator.gain,
                          "diff": float((params_vector(model) - params_vector(ref)).abs().max())})
         group = opt.param_groups[0]
         saved = opt.state_dict()
@@ -396,9 +401,9 @@ def case_adam_horizons():
         opt2 = DistributedOptimizer(getattr(torch.optim, kind)(model2.parameters(), lr=lr, betas=betas,
                                                                eps=eps, weight_decay=wd),
                                     named_parameters=model2.named_parameters(),
-                                    policy="adascale_adam", backward_passes_per_step=k)
+                                    policy=spec, backward_passes_per_step=k)
         opt2.load_state_dict(saved)
-        out[kind] = {"rows": rows, "scale": opt.scale,
+        out[label] = {"rows": rows, "scale": opt.scale,
                      "after": [list(group["betas"]), group["eps"], group["weight_decay"], group["lr"]],
                      "saved": [list(saved["inner"]["param_groups"][0][key]) if key == "betas"
                                else saved["inner"]["param_groups"][0][key]
@@ -407,6 +412,73 @@ def case_adam_horizons():
                                  opt2.param_groups[0]["weight_decay"], opt2.param_groups[0]["lr"]],
                      "resumed_progress": opt2.progress}
     emit("adam_horizons", **out)
+
+
+def case_passes_change():
+    """set_passes mid-run (what adapt='goodput' does): k = 1, 3, 2 on both ranks; gain, tau and
+    weights equal the one-process reference replaying the same micro-batches at S = 2k; then a
+    checkpoint saved at k = 3 resumes at k = 3 (S = 6) in an optimizer built at k = 1."""
+    size = hvd.size()
+
+    def build(model):
+        groups = two_groups(model)
+        opt = torch.optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": LR / 2}], lr=LR)
+        return DistributedOptimizer(opt, named_parameters=model.named_parameters(), policy="adascale",
+                                    adapt="goodput", max_passes=4, adapt_every=10_000)
+
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = build(model)
+    ref_est = GainEstimator(scale=size)
+    rows, saved = [], None
+    for step, k in enumerate([1, 1, 3, 3, 2, 2]):
+        if step == 4:  # before the change to k = 2: the state at k = 3
+            saved = (copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict()))
+        if k != opt.backward_passes_per_step:
+            opt.set_passes(k)
+            ref_est.rescale(size * k)
+        opt.zero_grad()
+        for j in range(opt.backward_passes_per_step):
+            loss_fn(model, *micro_batch(hvd.rank(), step, j)).backward()
+        opt.step()
+        batches = [micro_batch(r, step, j) for r in range(size) for j in range(k)]
+        gain = reference_step(ref, two_groups, batches, ref_est, [LR, LR / 2])
+        rows.append({"k": k, "scale": opt.scale, "gain": opt.gain, "ref_gain": gain,
+                     "progress": opt.progress, "timing": {key: opt.metrics()[key] for key in
+                                                          ("passes", "pass_time", "allreduce_time",
+                                                           "update_time", "step_time")},
+                     "diff": float((params_vector(model) - params_vector(ref)).abs().max())})
+    resumed_model = make_model()
+    resumed_model.load_state_dict(saved[1])
+    resumed = build(resumed_model)
+    resumed.load_state_dict(saved[0])
+    emit("passes_change", rows=rows, saved_passes=saved[0].get("passes"),
+         resumed={"k": resumed.backward_passes_per_step, "scale": resumed.scale,
+                  "progress": resumed.progress, "horovod_k": resumed._hvd_opt.backward_passes_per_step})
+
+
+def case_adapt_goodput():
+    """adapt='goodput' on a model whose allreduce dwarfs its passes (a 1M-parameter layer, 4
+    samples a pass, random labels: gradients of pure noise, so the gain is ~S): the ranks agree
+    on k every 5 steps and the job ends with k > 1; every rank takes the same k at every step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.Linear(4096, 2))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                               named_parameters=model.named_parameters(), policy="adascale",
+                               adapt="goodput", max_passes=8, adapt_every=5)
+    ks = []
+    for step in range(40):
+        k = opt.backward_passes_per_step
+        ks.append(k)
+        opt.zero_grad()
+        for j in range(k):
+            g = torch.Generator().manual_seed(1000 * step + 10 * hvd.rank() + j)
+            x, y = torch.randn(4, 256, generator=g), torch.randint(0, 2, (4,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    emit("adapt_goodput", ks=ks, scale=opt.scale, final_k=opt.backward_passes_per_step,
+         checksum=float(sum(p.double().sum() for p in model.parameters())),
+         model=dataclasses.asdict(opt.scaling.clock.model(hvd.size())))
 
 
 def case_one_rank_load():
@@ -780,6 +852,8 @@ CASES = {
     "adam": case_adam,
     "adam_horizons": case_adam_horizons,
     "one_rank_load": case_one_rank_load,
+    "passes_change": case_passes_change,
+    "adapt_goodput": case_adapt_goodput,
     "reference": lambda: case_reference(1, False),
     "accumulate": lambda: (case_reference(2, False), case_reference(2, True)),
     "policies": case_policies,

@@ -1,0 +1,103 @@
+"""hvd_scale.goodput: the step-time model and the goodput argmax, on synthetic inputs with known
+answers (issue #24)."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from hvd_scale import goodput
+from hvd_scale.estimate import gain_ratio
+
+
+def test_fit_recovers_known_parameters():
+    rng = np.random.default_rng(0)
+    c0, c1, a, u = 0.004, 0.0005, 0.03, 0.002
+    k = rng.integers(1, 9, 200)
+    m = rng.choice([16, 32, 64], 200)
+    compute = k * (c0 + c1 * m) * rng.normal(1, 0.01, 200)
+    allreduce = a * rng.normal(1, 0.01, 200)
+    update = np.full(200, u)
+    model = goodput.fit_step_time(k, m, compute, allreduce, update, workers=2)
+    assert model.per_sample == pytest.approx(c1, rel=0.05)
+    assert model.pass_time(40) == pytest.approx(c0 + c1 * 40, rel=0.02)
+    assert (model.allreduce, model.update) == (pytest.approx(a, rel=0.01), pytest.approx(u))
+    assert model.step_time(8, 64) == pytest.approx(8 * (c0 + c1 * 64) + a + u, rel=0.02)
+    assert model.error < 0.02  # the mean step time of every (k, m) seen
+
+
+def test_one_micro_batch_size_costs_in_proportion_and_the_ring_extrapolates():
+    model = goodput.fit_step_time([2, 4], [32, 32], [0.02, 0.04], [0.01, 0.01], [0.001, 0.001],
+                                  workers=2)
+    assert model.per_sample is None and model.pass_time() == pytest.approx(0.01)
+    assert model.pass_time(64) == pytest.approx(0.02)
+    assert model.error == pytest.approx(0.0, abs=1e-12)
+    assert model.allreduce_time(1) == 0.0
+    # 2 (W - 1) / W: 1 at W = 2, 1.5 at W = 4, 1.75 at W = 8.
+    assert model.allreduce_time(4) == pytest.approx(0.015)
+    assert model.allreduce_time(8) == pytest.approx(0.0175)
+    with pytest.raises(ValueError, match="one-worker job"):
+        goodput.fit_step_time([1], [32], [0.01], [0.0], [0.0], workers=1).allreduce_time(4)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(passes=[]), dict(passes=[0]), dict(compute=[math.nan]), dict(update=[-1.0]),
+    dict(micro_batch=[0.0]), dict(allreduce=[0.1, 0.2])])
+def test_fit_refuses_bad_timings(bad):
+    args = {"passes": [1], "micro_batch": [32.0], "compute": [0.01], "allreduce": [0.0],
+            "update": [0.0], **bad}
+    with pytest.raises(ValueError):
+        goodput.fit_step_time(**args, workers=2)
+
+
+def test_gain_at_is_the_estimators_and_caps():
+    assert goodput.gain_at(3.0, 1.0, 8) == gain_ratio(3.0, 1.0, 8)
+    assert goodput.gain_at(3.0, 1.0, 8, max_gain=2.0) == 2.0
+    assert goodput.gain_at(math.nan, math.nan, 8) == 1.0
+    assert goodput.gain_at(3.0, 1.0, 1) == 1.0
+
+
+@pytest.mark.parametrize("sigma2, mu2, allreduce, max_gain", [
+    (100.0, 1.0, 0.05, math.inf),   # noisy gradients, slow network: a large batch pays
+    (1.0, 10.0, 0.05, math.inf),    # little noise: little gain, small batches
+    (10.0, 1.0, 0.001, math.inf),   # fast network
+    (1000.0, 1.0, 0.05, 8.0),       # the gain cap stops the growth
+    (5.0, 2.0, 0.0, math.inf),
+])
+def test_argmax_equals_brute_force(sigma2, mu2, allreduce, max_gain):
+    model = goodput.StepTimeModel(compute=0.01, per_sample=None, micro_batch=32, allreduce=allreduce,
+                                  update=0.002, workers=2)
+    grid = goodput.candidates(model, sigma2, mu2, workers=[1, 2, 4, 8], passes=range(1, 17),
+                              micro_batches=[16, 32, 64], base_batch=32, max_gain=max_gain)
+    chosen = goodput.best(grid)
+    brute = {}
+    for w, k, m in itertools.product([1, 2, 4, 8], range(1, 17), [16, 32, 64]):
+        s = w * k * m / 32
+        r = 1.0 if s <= 1 else min((sigma2 + mu2) / (sigma2 / s + mu2), s, max_gain)
+        a = 0.0 if w == 1 else allreduce * ((w - 1) / w) / 0.5
+        brute[(w, k, m)] = r / (k * 0.01 * m / 32 + a + 0.002)
+    top = max(brute.values())
+    assert chosen.goodput == pytest.approx(top, rel=1e-12)
+    assert brute[(chosen.workers, chosen.passes, chosen.micro_batch)] == pytest.approx(top, rel=1e-12)
+    assert chosen.efficiency == pytest.approx(chosen.gain / chosen.scale)
+
+
+def test_choose_passes_with_hysteresis():
+    model = goodput.StepTimeModel(compute=0.01, per_sample=None, micro_batch=32, allreduce=0.05,
+                                  update=0.0, workers=2)
+    args = dict(max_passes=16, micro_batch=32, base_batch=32)
+    # Noise dominates and the allreduce is 5 passes long: many passes per step pay.
+    k = goodput.choose_passes(model, 1000.0, 1.0, current=1, **args)
+    assert k > 4
+    # Already near the best: stays (the best is within the hysteresis).
+    grid = goodput.candidates(model, 1000.0, 1.0, workers=[2], passes=range(1, 17),
+                              micro_batches=[32], base_batch=32)
+    near = max((c for c in grid if c.passes != k and c.goodput > grid[k - 1].goodput / 1.05),
+               key=lambda c: c.goodput, default=None)
+    if near is not None:
+        assert goodput.choose_passes(model, 1000.0, 1.0, current=near.passes, **args) == near.passes
+    # No noise: one pass.
+    assert goodput.choose_passes(model, 1e-9, 1.0, current=8, **args) == 1
+    with pytest.raises(ValueError, match="current passes 0"):
+        goodput.choose_passes(model, 1.0, 1.0, current=0, **args)
