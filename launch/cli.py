@@ -1,11 +1,15 @@
 """``hvd-scale``: run a training script under horovodrun (or on Ray or Spark) with a policy, list
-the policies, check the environment and plot runs.
+the policies, check the environment, plot runs and advise on a run's configuration.
 
     hvd-scale run -np 2 --policy adascale --log-dir runs/ada -- python train.py --budget 3000
     hvd-scale run --engine ray -np 2 --policy adascale -- python train.py --budget 3000
     hvd-scale policies
     hvd-scale check
     hvd-scale plot runs/ada runs/linear -o compare.png
+    hvd-scale advise runs/ada --workers 1,2,4,8 --passes 1,2,4 --budget 3000
+
+``advise`` (launch/advise.py) ranks configurations (workers, passes, micro-batch) of a logged run
+by goodput: its measured gain over its measured step time.
 
 ``run`` validates the policy spec before anything starts, then hands it (and the log directory) to
 every worker through ``HVD_SCALE_POLICY`` and ``HVD_SCALE_LOG_DIR``, which the adapters read. The
@@ -23,7 +27,8 @@ from hvd_scale.launch import engines
 from hvd_scale.policies import describe_policies, parse_spec
 
 DESCRIPTION = ("Run a training script under horovodrun, Ray or Spark with a learning-rate scaling "
-               "policy, list the policies, check the environment, and plot runs.")
+               "policy, list the policies, check the environment, plot runs, and advise on a "
+               "run's workers, passes and micro-batch.")
 SETUP_HINT = engines.SETUP_HINT
 
 # The environment every worker gets, and how each engine starts them: launch/engines.py.
@@ -167,6 +172,32 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    from hvd_scale.launch.advise import advise
+
+    try:
+        print(advise(args.log_dir, workers=args.workers, passes=args.passes,
+                     micro_batch_factors=args.micro_batch_factors, budget=args.budget,
+                     window=args.window, plot=args.plot))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"hvd-scale advise: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _positive_list(kind):
+    """An argparse type: a comma list of numbers > 0 (1,2,4)."""
+    def parse(text: str):
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected a comma list of numbers > 0, got {text!r}")
+        return values
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hvd-scale", description=DESCRIPTION,
@@ -225,6 +256,28 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", required=True, metavar="FILE.png",
                       help="The picture to write.")
     plot.add_argument("--metric", default="loss", help="The column to plot against tau (default loss).")
+
+    advise = sub.add_parser(
+        "advise", help="Rank workers, passes and micro-batch for a logged run by goodput.",
+        description="From a run's log (--log-dir; timings from the torch adapter), predict each "
+                    "configuration's gain, step time and goodput, and recommend the best.")
+    advise.add_argument("log_dir", metavar="LOGDIR", help="A directory written with --log-dir.")
+    advise.add_argument("--workers", type=_positive_list(int), metavar="LIST",
+                        default=[1, 2, 4, 8],
+                        help="Workers W to consider, a comma list (default 1,2,4,8).")
+    advise.add_argument("--passes", type=_positive_list(int), metavar="LIST",
+                        default=[1, 2, 4, 8, 16],
+                        help="Backward passes per step k, a comma list (default 1,2,4,8,16).")
+    advise.add_argument("--micro-batch-factors", type=_positive_list(float), metavar="LIST",
+                        default=[1.0],
+                        help="Micro-batches as multiples of the run's, a comma list (default 1).")
+    advise.add_argument("--budget", type=float, default=None, metavar="T",
+                        help="T, baseline steps to train for (default: the run's, if it had one).")
+    advise.add_argument("--window", type=int, default=None, metavar="STEPS",
+                        help="The latest steps to fit the step time to (default: the latest 20%% "
+                             "of the timed steps, at least 10).")
+    advise.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="Also draw the efficiency r(S)/S against S through training.")
     return parser
 
 
@@ -251,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hvd_scale.launch import build_horovod
 
         return build_horovod.run(args)
-    return {"policies": cmd_policies, "check": cmd_check, "plot": cmd_plot}[args.command](args)
+    return {"policies": cmd_policies, "check": cmd_check, "plot": cmd_plot,
+            "advise": cmd_advise}[args.command](args)
 
 
 if __name__ == "__main__":

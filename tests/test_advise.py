@@ -1,0 +1,113 @@
+"""`hvd-scale advise` (issue #24, 4): a synthetic log, written by the adapters' MetricsLogger,
+ranked by goodput as hvd_scale.goodput ranks the same grid."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_scale import goodput
+from hvd_scale.adapters.log import MetricsLogger
+from hvd_scale.launch import cli
+
+HVD_SCALE = Path(sys.executable).parent / "hvd-scale"
+
+W, K, S = 4, 2, 8.0  # the logged run: m = S / (W K) = 1 baseline batch
+PASS, ALLREDUCE, UPDATE = 0.010, 0.004, 0.002  # seconds, steady after the warm-up
+SIGMA2, MU2 = 20.0, 1.0  # the latest statistics
+STEPS, BUDGET = 100, 3000.0
+
+
+def write_log(log_dir, *, policy="adascale", statistics=True, timings=True):
+    logger = MetricsLogger(log_dir, run_info={"policy": policy, "scale": S, "workers": W,
+                                              "backward_passes_per_step": K},
+                           budget=BUDGET, progress_bar=False, tensorboard=False)
+    for step in range(1, STEPS + 1):
+        row = {"step": step, "progress": step * S, "scale": S, "passes": K}
+        if statistics:  # the noise grows through training, as it does
+            row.update(sigma2=SIGMA2 * step / STEPS, mu2=MU2)
+        if timings:  # the first steps are slow (warm-up): advise must leave them out
+            slow = 50.0 if step <= 3 else 1.0
+            row.update(pass_time=PASS * slow, allreduce_time=ALLREDUCE, update_time=UPDATE,
+                       step_time=K * PASS * slow + ALLREDUCE + UPDATE)
+        logger.log(row)
+    logger.close()
+    return log_dir
+
+
+def expected_best(workers=(1, 2, 4, 8), passes=(1, 2, 4, 8, 16), max_gain=math.inf):
+    model = goodput.fit_step_time([K], [S / (W * K)], [K * PASS], [ALLREDUCE], [UPDATE], workers=W)
+    grid = goodput.candidates(model, SIGMA2, MU2, workers=workers, passes=passes,
+                              micro_batches=[S / (W * K)], base_batch=1.0, max_gain=max_gain)
+    return goodput.best(grid)
+
+
+def marked(out, mark):
+    """(W, k, m) of the table rows marked ``mark``."""
+    return [tuple(float(v) for v in line.split()[:3]) for line in out.splitlines()
+            if "<-" in line and mark in line.split("<-")[1]]
+
+
+@pytest.mark.timeout(120)
+def test_advise_ranks_the_grid_as_goodput_does(tmp_path):
+    log_dir = write_log(tmp_path / "run")
+    proc = subprocess.run([str(HVD_SCALE), "advise", str(log_dir)], capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "policy adascale, W = 4, k = 2, m = 1 baseline batches (S = 8)" in out
+    assert "pass 10.00 ms, allreduce wait 4.00 ms, update 2.00 ms, fit error 0.0%" in out
+    assert "2(W-1)/W" in out and "time to T" in out  # the assumption; the run's budget
+    top = expected_best()
+    assert (top.workers, top.passes) != (W, K)  # the test means something
+    assert marked(out, "recommended") == [(top.workers, top.passes, top.micro_batch)]
+    assert marked(out, "measured") == [(W, K, 1.0)]
+    assert f"recommended: W = {top.workers}, k = {top.passes}, m = {top.micro_batch:g} " in out
+    assert "shown: the top 15 of 20 configurations by goodput" in out
+
+
+def test_adascale_adam_caps_the_gain_and_the_measured_row_outside_the_grid_is_shown(tmp_path,
+                                                                                    capsys):
+    log_dir = write_log(tmp_path / "run", policy="adascale_adam")
+    assert cli.main(["advise", str(log_dir), "--workers", "4,8", "--passes", "1,4,16",
+                     "--budget", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "gain capped at 8" in out
+    assert "the top 6 of 6 configurations by goodput (baseline steps of progress per second), " \
+           "and the measured one" in out
+    gains = [float(line.split()[4]) for line in out.splitlines() if line[:3].strip().isdigit()]
+    assert len(gains) == 7 and max(gains) == 8.0
+    assert marked(out, "measured") == [(W, K, 1.0)]
+    top = expected_best(workers=(4, 8), passes=(1, 4, 16), max_gain=8.0)
+    assert marked(out, "recommended") == [(top.workers, top.passes, top.micro_batch)]
+
+
+def test_a_run_without_statistics_exits_2(tmp_path, capsys):
+    log_dir = write_log(tmp_path / "linear", policy="linear", statistics=False)
+    assert cli.main(["advise", str(log_dir)]) == 2
+    err = capsys.readouterr().err
+    assert str(log_dir) in err and "statistics" in err and "measure=True" in err
+
+
+def test_a_run_without_timings_exits_2(tmp_path, capsys):
+    log_dir = write_log(tmp_path / "keras", timings=False)
+    assert cli.main(["advise", str(log_dir)]) == 2
+    err = capsys.readouterr().err
+    assert str(log_dir) in err and "torch adapter" in err
+
+
+def test_a_missing_directory_or_log_exits_2(tmp_path, capsys):
+    assert cli.main(["advise", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: no such directory" in capsys.readouterr().err
+    assert cli.main(["advise", str(tmp_path)]) == 2
+    assert "no metrics.csv" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    log_dir = write_log(tmp_path / "run")
+    png = tmp_path / "eff.png"
+    assert cli.main(["advise", str(log_dir), "--plot", str(png)]) == 0
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
