@@ -132,6 +132,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32, help="micro-batch (sentences) per worker and pass")
     p.add_argument("--baseline-batch", type=int, default=None, help="B0 (default: --batch-size)")
     p.add_argument("--accumulate", type=int, default=1, help="backward passes per step")
+    p.add_argument("--adapt", choices=["goodput"], default=None,
+                   help="adapt the passes per step while training (from --accumulate up to --max-passes)")
+    p.add_argument("--max-passes", type=int, default=None, help="the largest k --adapt may choose")
     p.add_argument("--budget", type=float, default=1500, help="baseline (S = 1) steps to train for")
     p.add_argument("--lr", type=float, default=2e-3, help="baseline peak learning rate (Adam)")
     p.add_argument("--optimizer", choices=["adam", "adamw"], default="adam",
@@ -174,7 +177,8 @@ def main(argv=None) -> dict:
     opt = DistributedOptimizer(
         inner,
         named_parameters=model.named_parameters(), policy=args.policy,
-        backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget)
+        backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget,
+        adapt=args.adapt, max_passes=args.max_passes)
     broadcast_state(model, opt)
     schedule = WarmupCosine(args.lr, warmup=max(1, int(args.warmup * args.budget)), total=int(args.budget))
     batches = td.shard_batches(data["src"], data["tgt"], args.batch_size, hvd.rank(), hvd.size(),
@@ -186,7 +190,7 @@ def main(argv=None) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
         opt.zero_grad()
-        for _ in range(args.accumulate):
+        for _ in range(opt.backward_passes_per_step):  # adapt='goodput' may change it
             src, tgt = (torch.from_numpy(a) for a in next(batches))
             logits = model(src, tgt[:, :-1])
             # Each micro-batch's mean loss, not divided by k: hvd_scale applies the mean of the
@@ -210,7 +214,8 @@ def main(argv=None) -> dict:
         sample = {"hyp": hyps[0], "ref": data["refs"][0]}
     summary = {
         "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
-        "accumulate": args.accumulate, "optimizer": args.optimizer, "steps": opt.policy.steps, "progress": opt.progress,
+        "accumulate": args.accumulate, "final_passes": opt.backward_passes_per_step,
+        "optimizer": args.optimizer, "steps": opt.policy.steps, "progress": opt.progress,
         "skipped": opt.policy.skipped, "bleu": score,
         "final_loss": float(np.mean(losses[-20:])) if losses else None,
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed,
