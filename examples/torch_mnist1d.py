@@ -44,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32, help="micro-batch per worker and pass")
     p.add_argument("--baseline-batch", type=int, default=None, help="B0 (default: --batch-size)")
     p.add_argument("--accumulate", type=int, default=1, help="backward passes per step")
+    p.add_argument("--adapt", choices=["goodput"], default=None,
+                   help="adapt the passes per step while training (from --accumulate up to --max-passes)")
+    p.add_argument("--max-passes", type=int, default=None, help="the largest k --adapt may choose")
     p.add_argument("--budget", type=float, default=3000, help="baseline (S = 1) steps to train for")
     p.add_argument("--lr", type=float, default=0.05, help="baseline learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
@@ -85,7 +88,8 @@ def main(argv=None) -> dict:
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
         named_parameters=model.named_parameters(), policy=args.policy,
         backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget,
-        guard=SharpnessGuard(args.guard_every, margin=args.guard_margin) if args.guard_every else None)
+        guard=SharpnessGuard(args.guard_every, margin=args.guard_margin) if args.guard_every else None,
+        adapt=args.adapt, max_passes=args.max_passes)
     broadcast_state(model, opt)
     schedule = schedules.StepDecay(args.lr, milestones=[int(0.5 * args.budget), int(0.75 * args.budget)])
     batches = mnist1d_data.shard_batches(data["x"], data["y"], args.batch_size, hvd.rank(),
@@ -105,7 +109,7 @@ def main(argv=None) -> dict:
                     group["momentum"] = mu
                     group["lr"] *= (1 - mu) / (1 - args.momentum)
             opt.zero_grad()
-            for _ in range(args.accumulate):
+            for _ in range(opt.backward_passes_per_step):  # adapt='goodput' may change it
                 x, y = next(batches)
                 # Each micro-batch's mean loss, not divided by k: hvd_scale applies the mean of the
                 # k micro-gradients (as Keras does).
@@ -137,7 +141,7 @@ def main(argv=None) -> dict:
     elapsed = time.perf_counter() - start - eval_seconds
     summary = {
         "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
-        "accumulate": args.accumulate, "steps": opt.policy.steps, "progress": opt.progress,
+        "accumulate": args.accumulate, "final_passes": opt.backward_passes_per_step, "steps": opt.policy.steps, "progress": opt.progress,
         "test_accuracy": evaluate(model, data["x_test"], data["y_test"]),
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed, "seed": args.seed,
         "diverged": diverged, "curve": curve,

@@ -1,0 +1,239 @@
+"""B5: time to accuracy with two workers on two cores: fixed and adaptive accumulation (issue #24).
+
+    .venv/bin/python benchmarks/goodput_tta.py            # ~25 min on a quiet machine
+
+Task A, compute-bound (B4's: examples/torch_translate.py, the Transformer, Adam (0.9, 0.98), T =
+2400 baseline steps where S = 1 converges, lr 0.008, B0 = 32 sentences), for each seed:
+  (a) one process at S = 1 with torch threads = 2 (both cores; the peer), and = 1;
+  (b) 2 workers (horovodrun, Gloo, HOROVOD_CYCLE_TIME=5, 1 thread each) with adascale_adam at
+      fixed k = 1, 2, 8 (S = 2, 4, 16);
+  (c) 2 workers with adapt='goodput' (k from 1, max_passes 16).
+A run's time is its training seconds to tau = T (the evaluation excluded); it reaches the S = 1
+quality when its BLEU is within 1 of the seed's S = 1 (2 threads) BLEU. Medians over seeds.
+Also: the ceiling (300 baseline steps: one process with 1 and 2 threads, two 1-thread processes
+side by side), where a 2-worker step's time goes (per pass, allreduce wait, update: the adapters'
+timing columns), and the step-time model (hvd_scale.goodput) fitted to the k = 1 run predicting
+the mean step time at k = 2 and 8.
+Task B, tiny steps (B1: examples/torch_mnist1d.py, SGD momentum 0.9, T = 3000, lr 0.05, adascale):
+one process at S = 1 against 2 workers at k = 1 and with adapt='goodput', test accuracy every 100
+baseline steps, time to the S = 1 final accuracy.
+
+Writes benchmarks/results/goodput_tta.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from hvd_scale import goodput
+from hvd_scale.launch.jobs import CPU_ENV_DEFAULTS, horovodrun_command, read_results
+from hvd_scale.launch.plot import read_run
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BIN = pathlib.Path(sys.executable).parent
+B4 = {"script": "torch_translate.py", "lr": 0.008, "budget": 2400, "policy": "adascale_adam"}
+B1 = {"script": "torch_mnist1d.py", "lr": 0.05, "budget": 3000, "policy": "adascale"}
+FIXED = (1, 2, 8)
+MAX_PASSES = 16
+WARMUP_STEPS = 5  # not the run's pace (allocations, first allreduces)
+
+
+def run(task: dict, *, workers: int, seed: int, k: int = 1, adapt: bool = False, threads: int = 1,
+        budget: float | None = None, log_dir: pathlib.Path | None = None, extra=(),
+        timeout: float = 1800) -> dict:
+    """One run of the task's example; rank 0's RESULT with the wall time."""
+    args = [str(BIN / "python"), str(ROOT / "examples" / task["script"]),
+            "--policy", task["policy"] if workers > 1 or k > 1 else "none", "--seed", str(seed),
+            "--lr", str(task["lr"]), "--budget", str(budget or task["budget"]),
+            "--accumulate", str(k), "--batch-size", "32", "--log-every", "0", *extra]
+    if adapt:
+        args += ["--adapt", "goodput", "--max-passes", str(MAX_PASSES)]
+    cmd = args if workers == 1 else horovodrun_command(args, workers, controller="gloo")
+    env = {**os.environ, **CPU_ENV_DEFAULTS, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("HVD_SCALE_LOG_DIR", None)
+    if log_dir is not None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        env["HVD_SCALE_LOG_DIR"] = str(log_dir)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+                          start_new_session=True)
+    result = next((r for r in read_results(proc.stdout) if r["rank"] == 0), None)
+    if result is None:
+        raise RuntimeError(f"run failed ({' '.join(cmd)}): exit {proc.returncode}\n"
+                           f"{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+    return {**result, "wall": time.perf_counter() - start, "threads": threads, "adapt": adapt,
+            "k": k, "workers": workers}
+
+
+def timings(log_dir: pathlib.Path) -> dict:
+    """A run's step times by k (means after the warm-up) and the model fitted to all of them."""
+    _, c = read_run(log_dir)
+    keep = [i for i in range(len(c["step"])) if c["step"][i] > WARMUP_STEPS
+            and all(np.isfinite(c[key][i]) for key in ("pass_time", "allreduce_time", "update_time"))]
+    col = {key: np.array([c[key][i] for i in keep]) for key in
+           ("passes", "pass_time", "allreduce_time", "update_time", "step_time")}
+    by_k = {}
+    for k in sorted(set(col["passes"].tolist())):
+        sel = col["passes"] == k
+        by_k[int(k)] = {key: float(np.mean(col[key][sel])) for key in
+                        ("pass_time", "allreduce_time", "update_time", "step_time")}
+        by_k[int(k)]["steps"] = int(sel.sum())
+    model = goodput.fit_step_time(col["passes"], np.ones(len(keep)), col["pass_time"] * col["passes"],
+                                  col["allreduce_time"], col["update_time"], workers=2)
+    return {"by_k": by_k, "model": model.__dict__,
+            "passes_over_steps": [int(x) for x in c["passes"] if np.isfinite(x)]}
+
+
+def ceiling(steps: int = 300) -> dict:
+    """Seconds of `steps` baseline steps at S = 1: 1 process x 1 thread, x 2 threads, and two
+    1-thread processes side by side (both timed)."""
+    one = run(B4, workers=1, seed=0, threads=1, budget=steps)["seconds"]
+    two_threads = run(B4, workers=1, seed=0, threads=2, budget=steps)["seconds"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pair = [r["seconds"] for r in pool.map(
+            lambda s: run(B4, workers=1, seed=s, threads=1, budget=steps), (0, 1))]
+    return {"steps": steps, "one_thread": one, "two_threads": two_threads, "side_by_side": pair,
+            "work_ratio": 2 * one / max(pair)}
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--skip-b1", action="store_true")
+    args = p.parse_args(argv)
+    logs = pathlib.Path(tempfile.mkdtemp(prefix="b5logs-"))
+    out = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}",
+           "machine": f"{os.cpu_count()} CPUs, {platform.platform()}", "b4": [], "b1": []}
+    try:
+        out["ceiling"] = ceiling()
+        print("ceiling", out["ceiling"], flush=True)
+        for seed in range(args.seeds):
+            configs = [dict(workers=1, threads=2), dict(workers=1, threads=1)] + \
+                      [dict(workers=2, k=k) for k in FIXED] + [dict(workers=2, adapt=True)]
+            for cfg in configs:
+                log = logs / f"b4-{seed}-{len(out['b4'])}" if cfg["workers"] == 2 else None
+                r = run(B4, seed=seed, log_dir=log, **cfg)
+                if log is not None:
+                    r["timings"] = timings(log)
+                r.pop("sample", None)
+                out["b4"].append(r)
+                print(f"B4 seed {seed} {cfg}: BLEU {r['bleu']:.1f}, {r['steps']} steps, "
+                      f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
+        if not args.skip_b1:
+            for seed in range(args.seeds):
+                for cfg in (dict(workers=1, threads=2), dict(workers=2, k=1), dict(workers=2, adapt=True)):
+                    r = run(B1, seed=seed, extra=["--eval-every", "100"], **cfg)
+                    out["b1"].append(r)
+                    print(f"B1 seed {seed} {cfg}: acc {100 * r['test_accuracy']:.1f}%, "
+                          f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    (RESULTS / "goodput_tta.json").write_text(json.dumps(out, indent=1) + "\n")
+    report(out, argv if argv is not None else sys.argv[1:])
+    return 0
+
+
+def label(r) -> str:
+    if r["workers"] == 1:
+        return f"1 process, {r['threads']} thread{'s' if r['threads'] > 1 else ''}, S = 1"
+    return f"2 workers, {'adapt=goodput (k from 1, max 16)' if r['adapt'] else 'k = ' + str(r['k'])}"
+
+
+def report(out: dict, argv) -> None:
+    c = out["ceiling"]
+    lines = ["# B5: time to accuracy with two workers on two cores (issue #24)", "",
+             "Task A: B4's Transformer (examples/torch_translate.py), T = 2400 (S = 1 converged), "
+             "lr 0.008; adascale_adam for 2 workers (Gloo, HOROVOD_CYCLE_TIME=5, 1 thread each). "
+             "Time: training seconds to tau = T (evaluation excluded); reached: BLEU within 1 of the "
+             "same seed's one-process (2 threads) run. Medians over seeds "
+             f"({len({r['seed'] for r in out['b4']})}).", "",
+             "| run | BLEU (per seed) | steps | final k | training s | reached | vs 1 process, 2 threads |",
+             "|---|---|---|---|---|---|---|"]
+    seeds = sorted({r["seed"] for r in out["b4"]})
+    base = {r["seed"]: r for r in out["b4"] if r["workers"] == 1 and r["threads"] == 2}
+    groups: dict[str, list] = {}
+    for r in out["b4"]:
+        groups.setdefault(label(r), []).append(r)
+    for name, rs in groups.items():
+        hit = all(r["bleu"] >= base[r["seed"]]["bleu"] - 1 for r in rs)
+        t = median([r["seconds"] for r in rs])
+        speed = median([base[r["seed"]]["seconds"] for r in rs]) / t
+        bleus = " / ".join(f"{r['bleu']:.1f}" for r in rs)
+        lines.append(f"| {name} | {bleus} | "
+                     f"{median([r['steps'] for r in rs]):.0f} | "
+                     f"{'/'.join(str(r.get('final_passes', r['k'])) for r in rs)} | {t:.1f} | "
+                     f"{'yes' if hit else 'no'} | x{speed:.2f} |")
+    lines += ["", f"Ceiling ({c['steps']} baseline steps at S = 1): one process {c['one_thread']:.1f} s "
+              f"with 1 thread, {c['two_threads']:.1f} s with 2; two 1-thread processes side by side "
+              f"{c['side_by_side'][0]:.1f} and {c['side_by_side'][1]:.1f} s: the two cores do "
+              f"**x{c['work_ratio']:.2f}** the work of one (one process with 2 threads: "
+              f"x{c['one_thread'] / c['two_threads']:.2f}).", "",
+              "Where a 2-worker step's time goes (seed 0, means after the first 5 steps; ms), and "
+              "the step-time model fitted to the k = 1 run predicting the others' mean step time:", "",
+              "| run | k | steps | per pass | allreduce wait | update | step | predicted from k = 1 | error |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    runs0 = [r for r in out["b4"] if r["seed"] == seeds[0] and r["workers"] == 2]
+    k1 = next(r for r in runs0 if r["k"] == 1 and not r["adapt"])
+    m = k1["timings"]["model"]
+    model = goodput.StepTimeModel(**m)
+    for r in runs0:
+        for k, t in r["timings"]["by_k"].items():
+            pred = model.step_time(k)
+            lines.append(f"| {label(r)} | {k} | {t['steps']} | {1e3 * t['pass_time']:.1f} | "
+                         f"{1e3 * t['allreduce_time']:.1f} | {1e3 * t['update_time']:.1f} | "
+                         f"{1e3 * t['step_time']:.1f} | {1e3 * pred:.1f} | "
+                         f"{100 * (pred - t['step_time']) / t['step_time']:+.0f}% |")
+    one = base[seeds[0]]
+    lines += ["", f"One process with 2 threads: {1e3 * one['seconds'] / one['steps']:.1f} ms per step "
+              "(one pass, no allreduce)."]
+    if out["b1"]:
+        lines += ["", "Task B: B1 (examples/torch_mnist1d.py, SGD momentum 0.9, T = 3000, lr 0.05, "
+                  "adascale for 2 workers), test accuracy every 100 baseline steps; time: training "
+                  "seconds to the first evaluation at the same seed's one-process final accuracy.", "",
+                  "| run | final % (per seed) | steps | final k | training s | to the S = 1 final |",
+                  "|---|---|---|---|---|---|"]
+        b1base = {r["seed"]: r for r in out["b1"] if r["workers"] == 1}
+        groups = {}
+        for r in out["b1"]:
+            groups.setdefault(label(r), []).append(r)
+        for name, rs in groups.items():
+            reach = []
+            for r in rs:
+                target = b1base[r["seed"]]["test_accuracy"]
+                reach.append(next((sec for sec, _tau, _steps, acc in r["curve"] if acc >= target), None))
+            reached = [x for x in reach if x is not None]
+            accs = " / ".join(f"{100 * r['test_accuracy']:.1f}" for r in rs)
+            lines.append(f"| {name} | {accs} | "
+                         f"{median([r['steps'] for r in rs]):.0f} | "
+                         f"{'/'.join(str(r.get('final_passes', r['k'])) for r in rs)} | "
+                         f"{median([r['seconds'] for r in rs]):.1f} | "
+                         + (f"{median(reached):.1f} s ({len(reached)} of {len(rs)} seeds)" if reached
+                            else "not reached") + " |")
+    lines += ["", f"- date: {out['date']} UTC; {out['machine']}",
+              f"- rerun: `.venv/bin/python benchmarks/goodput_tta.py {' '.join(argv)}`".rstrip()]
+    (RESULTS / "goodput_tta.md").write_text("\n".join(lines) + "\n")
+    print((RESULTS / "goodput_tta.md").read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
