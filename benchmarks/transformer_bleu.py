@@ -77,9 +77,9 @@ CODE = ["hvd_scale", "adapters/__init__.py", "adapters/core.py", "adapters/proto
 SNAPSHOT: pathlib.Path | None = None
 CODE_HASH = ""
 # adascale_adam's choices measured against its default (issue #21): which step's gain the betas
-# follow, and the lr factor's power with the betas scaled; the cap removed.
+# follow, and the lr factor's power with the betas scaled.
 VARIANTS = ["adascale_adam:horizon=previous", "adascale_adam:lr_power=0.625",
-            "adascale_adam:lr_power=0.75", "adascale_adam:max_gain=inf"]
+            "adascale_adam:lr_power=0.75"]
 LABELS.update({"adascale_adam:horizon=previous": "betas follow the previous step's gain",
                "adascale_adam:lr_power=0.625": "lr x r^0.625", "adascale_adam:lr_power=0.75": "lr x r^0.75",
                "adascale_adam:max_gain=inf": "no gain cap"})
@@ -179,9 +179,11 @@ def family(r: dict) -> tuple[str, str]:
 def reproduced(runs: list[dict], code: str) -> dict[tuple, dict]:
     """{(older code, policy, optimizer): the run at ``code`` that reproduced a run of that code
     to the last bit}: the same configuration, the same weights (sum of all parameters), BLEU and
-    steps."""
+    steps. Only --phase verify's configurations count (S = 1, or VERIFY_SCALE, where
+    adascale_adam's gain cap binds): a match at a scale where some code path is idle (the cap at
+    S = 8) would say nothing about it."""
     out = {}
-    for new in (r for r in runs if ok(r) and r.get("code") == code):
+    for new in (r for r in runs if ok(r) and r.get("code") == code and r["S"] in (1, VERIFY_SCALE)):
         for old in runs:
             if ok(old) and old.get("code") != code and key(old) == key(new) and \
                     (old.get("params_checksum"), old["bleu"], old["steps"]) == \
@@ -191,8 +193,9 @@ def reproduced(runs: list[dict], code: str) -> dict[tuple, dict]:
     return out
 
 
-def current_code(r: dict, code: str, same: dict) -> bool:
-    return r.get("code") == code or (r.get("code"),) + family(r) in same
+def current_code(r: dict | None, code: str, same: dict) -> bool:
+    """The run (None: none stored) ran at ``code``, or at a code reproduced there."""
+    return r is not None and (r.get("code") == code or (r.get("code"),) + family(r) in same)
 
 
 class Runner:
@@ -215,8 +218,8 @@ class Runner:
         """Run the specs the store lacks at this code (``rerun``: those not run at this very code)."""
         same = {} if rerun else reproduced(self.runs, self.code)
         todo = [s for s in specs
-                if not current_code(self.find(s) or {"code": None}, self.code, same)
-                or (rerun and (self.find(s) or {}).get("code") != self.code)]
+                if not current_code(self.find(s), self.code, same)
+                or (rerun and self.find(s).get("code") != self.code)]
         singles = [s for s in todo if s["scale"] == 1]
         for i in range(0, len(singles), 2):
             self._run_batch(singles[i:i + 2])

@@ -223,6 +223,9 @@ def test_bad_arguments_error_on_every_rank(results):
         assert e["unknown"] and "'adascalle'" in e["unknown"] and "adascale" in e["unknown"]
         assert e["bad_optimizer"] and "'Adam'" in e["bad_optimizer"] and "adascale_adam" in e["bad_optimizer"]
         assert e["keras_accumulation"] and "backward_passes_per_step" in e["keras_accumulation"]
+        # Issue #24: k cannot change under Keras's traced step; #21's comparison option is torch's.
+        assert e["adapt"] and "adapt='goodput'" in e["adapt"] and "torch" in e["adapt"]
+        assert e["horizon_previous"] and "torch adapter only" in e["horizon_previous"]
         assert "different policies" in e["differ"] and "'sqrt'" in e["differ"]
         assert "rank 1" in e["one_bad"] and "'x'" in e["one_bad"]
         assert "DistributedOptimizer" in e["elastic_plain_optimizer"] and "SGD" in e["elastic_plain_optimizer"]

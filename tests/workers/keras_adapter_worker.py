@@ -432,6 +432,10 @@ def case_bad_policy():
         "bad_optimizer": lambda: DistributedOptimizer(keras.optimizers.Adam(), policy="adascale"),
         "keras_accumulation": lambda: DistributedOptimizer(
             keras.optimizers.SGD(LR, gradient_accumulation_steps=2), policy="linear"),
+        "adapt": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale",
+                                              adapt="goodput", max_passes=4),
+        "horizon_previous": lambda: DistributedOptimizer(keras.optimizers.Adam(),
+                                                         policy="adascale_adam:horizon=previous"),
         # Ranks that disagree, or one rank with a bad spec: the same error on every rank, no hang.
         "differ": lambda: DistributedOptimizer(keras.optimizers.SGD(LR),
                                                policy=["adascale", "sqrt"][hvd.rank()]),
