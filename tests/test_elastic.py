@@ -84,6 +84,21 @@ def test_adam_moments_are_kept_across_a_resize(tmp_path):
     assert max(r["gain"] for r in steps) > 1.0  # measured once Adam's moments had history
 
 
+@pytest.mark.timeout(200)
+def test_a_worker_joins_at_the_passes_adapt_chose(tmp_path):
+    """Issue #24: k went from 1 to 2 at step 3 (set_passes, as adapt='goodput' does); the worker
+    that joins at step 6 takes k = 2 at the sync (else its passes and S would differ from the
+    others'), and S = workers x k throughout."""
+    steps, finals = run_elastic(tmp_path, 2, 3, worker_args=["--passes-at", "3"])
+    assert [r["size"] for r in steps][0] == 2 and steps[-1]["size"] == 3
+    for r in steps:
+        assert r["scale"] == r["size"] * r["passes"], r
+    assert {r["passes"] for r in steps if r["step"] > 3} == {2}
+    assert len(finals) == 3 and any(f["rank"] == 2 for f in finals)
+    assert len({(f["progress"], f["steps"], f["checksum"], f["scale"]) for f in finals}) == 1, finals
+    assert finals[0]["scale"] == 6.0
+
+
 # Two host names for one machine: Horovod blacklists the host of a failed worker, so the worker
 # that dies must sit on a host of its own ("127.0.0.1" resolves to this machine, runs locally).
 TWO_HOSTS = "localhost:2\n127.0.0.1:1\n"

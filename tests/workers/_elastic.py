@@ -38,7 +38,7 @@ def emit(hvd, **values) -> None:
 def after_step(hvd, args, state, opt) -> None:
     """Report the step; crash or resize once when asked; slow down. Between step and commit."""
     emit(hvd, kind="step", step=opt.policy.steps, size=hvd.size(), scale=opt.scale,
-         progress=opt.progress, gain=opt.gain)
+         progress=opt.progress, gain=opt.gain, passes=opt.backward_passes_per_step)
     if not _FIRST_RANK:
         _FIRST_RANK.append(hvd.rank())
     if (args.die_on_host and os.environ.get("HOROVOD_HOSTNAME") == args.die_on_host

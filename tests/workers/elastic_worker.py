@@ -20,6 +20,8 @@ def main():
     p = parser("elastic job, torch adapter")
     p.add_argument("--policy", default="adascale")
     p.add_argument("--adam", action="store_true", help="Adam with adascale_adam")
+    p.add_argument("--passes-at", type=int, default=None,
+                   help="with adapt='goodput': every rank sets 2 passes per step at this step")
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
@@ -27,9 +29,11 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     inner = torch.optim.Adam(model.parameters(), lr=0.01) if args.adam else \
         torch.optim.SGD(model.parameters(), lr=0.2)
+    adapt = {} if args.passes_at is None else \
+        {"adapt": "goodput", "max_passes": 2, "adapt_every": 10_000}  # k changed by hand below
     opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                policy="adascale_adam" if args.adam else args.policy,
-                               budget=args.budget)
+                               budget=args.budget, **adapt)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, resized=False)
 
     @hvd.elastic.run
@@ -40,8 +44,11 @@ def main():
             x = torch.randn(16, 8, generator=g)
             y = (x @ TEACHER).argmax(1)  # a learnable task, so runs can be compared on quality
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            for _ in range(opt.backward_passes_per_step):  # 2 after --passes-at
+                torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+            if args.passes_at is not None and opt.policy.steps == args.passes_at:
+                opt.set_passes(2)
             after_step(hvd, args, state, opt)
             state.commit()  # commits the policy with the optimizer, and checks for host changes
 
