@@ -295,7 +295,7 @@ def phase_specs(args, phase: str) -> list[dict]:
         return [spec(p, 1 if o.endswith("-s1") else VERIFY_SCALE, 0, args.lr, budget,
                      optimizer=o.removesuffix("-s1"))
                 for p, o in [("none", "adam-s1"), ("none", "adamw-s1")] + [(p, "adam") for p in POLICIES]
-                + [(ADASCALE, "adamw")]]
+                + [(ADASCALE, "adamw")] + [(p, "adam") for p in VARIANTS]]
     if phase == "claim":
         return [spec("warmup:rule=fixed,factor=5", 8, seed, args.lr, budget * 8 // 5) for seed in seeds]
     out = [spec("none", 1, seed, args.lr, budget) for seed in seeds]
@@ -394,6 +394,9 @@ def write_report(args, runs, code, seconds=None):
                           "the default against one change each", lr=args.lr, budget=args.budget,
                           scales=[1] + variants, seeds=args.seeds, code=code,
                           policies=[ADASCALE] + VARIANTS, same=same)
+    lines += [""] + table(runs, f"## adascale_adam's choices, short budget T = {SHORT_BUDGET}",
+                          lr=args.lr, budget=SHORT_BUDGET, scales=[1] + variants, seeds=args.seeds,
+                          code=code, policies=[ADASCALE] + VARIANTS, same=same)
     claim = [r for r in runs if ok(r) and r["policy"] == "warmup:rule=fixed,factor=5" and r["S"] == 8
              and r["budget"] == args.budget * 8 // 5 and r["lr"] == args.lr]
     if claim:
