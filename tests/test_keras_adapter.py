@@ -225,6 +225,7 @@ def test_bad_arguments_error_on_every_rank(results):
         assert e["keras_accumulation"] and "backward_passes_per_step" in e["keras_accumulation"]
         # Issue #24: k cannot change under Keras's traced step; #21's comparison option is torch's.
         assert e["adapt"] and "adapt='goodput'" in e["adapt"] and "torch" in e["adapt"]
+        assert e["adapt_none"] is None  # adapt=None, the torch default, is accepted
         assert e["horizon_previous"] and "torch adapter only" in e["horizon_previous"]
         assert "different policies" in e["differ"] and "'sqrt'" in e["differ"]
         assert "rank 1" in e["one_bad"] and "'x'" in e["one_bad"]

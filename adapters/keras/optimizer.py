@@ -111,10 +111,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             if arg in kwargs:
                 raise ValueError(f"DistributedOptimizer does not support `{arg}`. Instead, set "
                                  f"`{arg}` on the `inner_optimizer`.")
-        if kwargs.get("adapt") is not None or kwargs.get("max_passes") is not None:
+        adapt, max_passes = kwargs.pop("adapt", None), kwargs.pop("max_passes", None)
+        if adapt is not None or max_passes is not None:
             # Keras traces the step with k fixed (its accumulation in the graph, fit's loop):
             # k cannot change under a running fit or a compiled train step.
-            raise ValueError(f"adapt={kwargs.get('adapt')!r}: adapting the passes per step while "
+            raise ValueError(f"adapt={adapt!r}: adapting the passes per step while "
                              "training is supported by the torch adapter "
                              "(hvd_scale.adapters.torch.DistributedOptimizer(..., adapt='goodput', "
                              "max_passes=K)); in Keras, set backward_passes_per_step")

@@ -434,6 +434,8 @@ def case_bad_policy():
             keras.optimizers.SGD(LR, gradient_accumulation_steps=2), policy="linear"),
         "adapt": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale",
                                               adapt="goodput", max_passes=4),
+        "adapt_none": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale",
+                                                   adapt=None),
         "horizon_previous": lambda: DistributedOptimizer(keras.optimizers.Adam(),
                                                          policy="adascale_adam:horizon=previous"),
         # Ranks that disagree, or one rank with a bad spec: the same error on every rank, no hang.
