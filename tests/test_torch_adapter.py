@@ -176,15 +176,20 @@ def test_adascale_adam_uses_sqrt_gain(results):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["Adam", "AdamW", "capped"])
+@pytest.mark.parametrize("kind", ["Adam", "AdamW", "capped", "previous", "power"])
 def test_adam_moment_horizons_follow_the_gain(results, kind):
     """adascale_adam's default against a one-process reference applying the rule by hand: betas^r,
-    eps / sqrt(r), bias correction 1 - beta^tau, AdamW's decay (1 - lr wd)^r per step.
-    "capped": max_gain=1.5 below the gains measured at S = 4, so the cap binds: the capped r is
-    the one applied everywhere (lr, tau, betas)."""
+    eps / sqrt(r), bias correction 1 - beta^tau, AdamW's decay (1 - lr wd)^r per step, lr x
+    sqrt(r). "capped": max_gain=1.5 below the gains measured at S = 4, so the cap binds: the
+    capped r is the one applied everywhere (lr, tau, betas). "previous" (horizon=previous): the
+    betas and eps follow the previous step's r (1 first), the bias correction 1 - beta^(1 +
+    tau_{t-1}). "power" (lr_power=0.75): lr x r^0.75."""
     r0, r1 = (r[kind] for r in both_ranks(results, "adam_horizons"))
     assert r0["rows"] == r1["rows"] and r0["scale"] == 4
     rows = r0["rows"]
+    power = 0.75 if kind == "power" else 0.5
+    for row in rows:
+        assert row["lr_factor"] == pytest.approx(row["gain"] ** power, rel=1e-12), row
     if kind == "capped":
         bound = [row for row in rows if row["measured"] > 1.5]
         assert len(bound) >= 3 and all(row["gain"] == 1.5 for row in bound)

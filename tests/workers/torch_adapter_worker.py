@@ -354,10 +354,14 @@ def case_adam_horizons():
     the state so) counts in the bias correction as one baseline step."""
     k, size, lr, betas, eps = 2, hvd.size(), 0.01, (0.9, 0.98), 1e-6
     out = {}
-    # "capped": a cap below the gains measured here (S = 4), so it binds (issue #21's cap).
+    # "capped": a cap below the gains measured here (S = 4), so it binds (issue #21's cap);
+    # "previous" and "power": #21's measured alternatives (the betas follow the previous step's
+    # gain; lr x r^0.75), each a path to the lr of its own.
     for label, kind, wd, spec in (("Adam", "Adam", 0.0, "adascale_adam"),
                                   ("AdamW", "AdamW", 0.05, "adascale_adam"),
-                                  ("capped", "Adam", 0.0, "adascale_adam:max_gain=1.5")):
+                                  ("capped", "Adam", 0.0, "adascale_adam:max_gain=1.5"),
+                                  ("previous", "Adam", 0.0, "adascale_adam:horizon=previous"),
+                                  ("power", "Adam", 0.0, "adascale_adam:lr_power=0.75")):
         model = make_model()
         inner = getattr(torch.optim, kind)(model.parameters(), lr=lr, betas=betas, eps=eps,
                                            weight_decay=wd)
@@ -376,6 +380,12 @@ def case_adam_horizons():
             opt.step()
             info = opt.scaling.last_step
             r, tau = info.gain, info.progress
+            # The gain the betas and eps follow, and the bias correction's exponent.
+            if label == "previous":  # r_{t-1} (r_0 = 1), 1 + tau_{t-1}
+                horizon = rows[-1]["gain"] if rows else 1.0
+                exponent = 1.0 + (rows[-1]["progress"] if rows else 0.0)
+            else:
+                horizon, exponent = r, tau + offset
             grads = []
             for rank in range(size):
                 for j in range(k):
@@ -386,12 +396,12 @@ def case_adam_horizons():
                 for i, p in enumerate(ref.parameters()):
                     g = torch.stack([gs[i] for gs in grads]).mean(0)
                     m, v = moments[i]
-                    b1, b2 = betas[0] ** r, betas[1] ** r
+                    b1, b2 = betas[0] ** horizon, betas[1] ** horizon
                     p.mul_((1 - lr * wd) ** r)
                     m.mul_(b1).add_(g, alpha=1 - b1)
                     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                    c1, c2 = 1 - betas[0] ** (tau + offset), 1 - betas[1] ** (tau + offset)
-                    p.sub_(lr * info.lr_factor / c1 * m / ((v / c2).sqrt() + eps / math.sqrt(r)))
+                    c1, c2 = 1 - betas[0] ** exponent, 1 - betas[1] ** exponent
+                    p.sub_(lr * info.lr_factor / c1 * m / ((v / c2).sqrt() + eps / math.sqrt(horizon)))
             rows.append({"gain": r, "lr_factor": info.lr_factor, "progress": tau,
                          "measured": opt.policy.estimator.gain,
                          "diff": float((params_vector(model) - params_vector(ref)).abs().max())})
