@@ -17,7 +17,14 @@ the mean step time at k = 2 and 8.
 Task B, tiny steps (B1: examples/torch_mnist1d.py, SGD momentum 0.9, T = 3000, lr 0.05, adascale):
 one process at S = 1 against 2 workers at k = 1 and with adapt='goodput', test accuracy every 100
 baseline steps, time to the S = 1 final accuracy.
+Task C, the case most favourable to workers found here (examples/torch_lm.py: a GRU language model
+on the grammar's random sentences, Adam, T = 3000, lr 0.01, 64 sentences a micro-batch): the next
+word's entropy keeps the gradient noisy (gain near S at small S) and a second thread speeds one
+process up little. As task A with k = 1, 2, 4, 8 and adapt, the test loss every 250 baseline steps;
+time: training seconds to the first evaluation within 0.01 nats (perplexity within 1%) of the same
+seed's one-process (2 threads) final test loss; its own ceiling and step-time table.
 
+--tasks picks tasks; the others' rows are kept from the stored JSON (each task has its date).
 Writes benchmarks/results/goodput_tta.json and .md.
 """
 
@@ -46,9 +53,13 @@ from hvd_scale.launch.plot import read_run
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = pathlib.Path(sys.executable).parent
-B4 = {"script": "torch_translate.py", "lr": 0.008, "budget": 2400, "policy": "adascale_adam"}
-B1 = {"script": "torch_mnist1d.py", "lr": 0.05, "budget": 3000, "policy": "adascale"}
+B4 = {"script": "torch_translate.py", "lr": 0.008, "budget": 2400, "policy": "adascale_adam", "batch": 32}
+B1 = {"script": "torch_mnist1d.py", "lr": 0.05, "budget": 3000, "policy": "adascale", "batch": 32}
+LM = {"script": "torch_lm.py", "lr": 0.01, "budget": 3000, "policy": "adascale_adam", "batch": 64}
 FIXED = (1, 2, 8)
+LM_FIXED = (1, 2, 4, 8)
+LM_EVAL_EVERY = 250
+LM_TOLERANCE = 0.01  # nats per word: perplexity within 1%
 MAX_PASSES = 16
 WARMUP_STEPS = 5  # not the run's pace (allocations, first allreduces)
 
@@ -60,7 +71,7 @@ def run(task: dict, *, workers: int, seed: int, k: int = 1, adapt: bool = False,
     args = [str(BIN / "python"), str(ROOT / "examples" / task["script"]),
             "--policy", task["policy"] if workers > 1 or k > 1 else "none", "--seed", str(seed),
             "--lr", str(task["lr"]), "--budget", str(budget or task["budget"]),
-            "--accumulate", str(k), "--batch-size", "32", "--log-every", "0", *extra]
+            "--accumulate", str(k), "--batch-size", str(task["batch"]), "--log-every", "0", *extra]
     if adapt:
         args += ["--adapt", "goodput", "--max-passes", str(MAX_PASSES)]
     cmd = args if workers == 1 else horovodrun_command(args, workers, controller="gloo")
@@ -100,14 +111,14 @@ def timings(log_dir: pathlib.Path) -> dict:
             "passes_over_steps": [int(x) for x in c["passes"] if np.isfinite(x)]}
 
 
-def ceiling(steps: int = 300) -> dict:
+def ceiling(task: dict = B4, steps: int = 300) -> dict:
     """Seconds of `steps` baseline steps at S = 1: 1 process x 1 thread, x 2 threads, and two
     1-thread processes side by side (both timed)."""
-    one = run(B4, workers=1, seed=0, threads=1, budget=steps)["seconds"]
-    two_threads = run(B4, workers=1, seed=0, threads=2, budget=steps)["seconds"]
+    one = run(task, workers=1, seed=0, threads=1, budget=steps)["seconds"]
+    two_threads = run(task, workers=1, seed=0, threads=2, budget=steps)["seconds"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         pair = [r["seconds"] for r in pool.map(
-            lambda s: run(B4, workers=1, seed=s, threads=1, budget=steps), (0, 1))]
+            lambda s: run(task, workers=1, seed=s, threads=1, budget=steps), (0, 1))]
     return {"steps": steps, "one_thread": one, "two_threads": two_threads, "side_by_side": pair,
             "work_ratio": 2 * one / max(pair)}
 
@@ -119,36 +130,61 @@ def median(xs):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--skip-b1", action="store_true")
+    p.add_argument("--tasks", default="a,b,c", help="comma-separated, of a, b, c")
     args = p.parse_args(argv)
+    tasks = set(args.tasks.split(","))
+    if not tasks <= {"a", "b", "c"}:
+        p.error(f"--tasks takes a comma-separated subset of a, b, c; got {args.tasks!r}")
+    store = RESULTS / "goodput_tta.json"
+    out = json.loads(store.read_text()) if store.exists() else {}
+    out.setdefault("dates", {task: out.get("date") for task in ("a", "b")})
+    now = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
+    out["machine"] = f"{os.cpu_count()} CPUs, {platform.platform()}"
     logs = pathlib.Path(tempfile.mkdtemp(prefix="b5logs-"))
-    out = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}",
-           "machine": f"{os.cpu_count()} CPUs, {platform.platform()}", "b4": [], "b1": []}
     try:
-        out["ceiling"] = ceiling()
-        print("ceiling", out["ceiling"], flush=True)
-        for seed in range(args.seeds):
-            configs = [dict(workers=1, threads=2), dict(workers=1, threads=1)] + \
-                      [dict(workers=2, k=k) for k in FIXED] + [dict(workers=2, adapt=True)]
-            for cfg in configs:
-                log = logs / f"b4-{seed}-{len(out['b4'])}" if cfg["workers"] == 2 else None
-                r = run(B4, seed=seed, log_dir=log, **cfg)
-                if log is not None:
-                    r["timings"] = timings(log)
-                r.pop("sample", None)
-                out["b4"].append(r)
-                print(f"B4 seed {seed} {cfg}: BLEU {r['bleu']:.1f}, {r['steps']} steps, "
-                      f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
-        if not args.skip_b1:
+        if "a" in tasks:
+            out["dates"]["a"], out["b4"] = now, []
+            out["ceiling"] = ceiling(B4)
+            print("ceiling", out["ceiling"], flush=True)
+            for seed in range(args.seeds):
+                configs = [dict(workers=1, threads=2), dict(workers=1, threads=1)] + \
+                          [dict(workers=2, k=k) for k in FIXED] + [dict(workers=2, adapt=True)]
+                for cfg in configs:
+                    log = logs / f"b4-{seed}-{len(out['b4'])}" if cfg["workers"] == 2 else None
+                    r = run(B4, seed=seed, log_dir=log, **cfg)
+                    if log is not None:
+                        r["timings"] = timings(log)
+                    r.pop("sample", None)
+                    out["b4"].append(r)
+                    print(f"B4 seed {seed} {cfg}: BLEU {r['bleu']:.1f}, {r['steps']} steps, "
+                          f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
+        if "b" in tasks:
+            out["dates"]["b"], out["b1"] = now, []
             for seed in range(args.seeds):
                 for cfg in (dict(workers=1, threads=2), dict(workers=2, k=1), dict(workers=2, adapt=True)):
                     r = run(B1, seed=seed, extra=["--eval-every", "100"], **cfg)
                     out["b1"].append(r)
                     print(f"B1 seed {seed} {cfg}: acc {100 * r['test_accuracy']:.1f}%, "
                           f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
+        if "c" in tasks:
+            out["dates"]["c"], out["lm"] = now, []
+            out["lm_ceiling"] = ceiling(LM)
+            print("ceiling", out["lm_ceiling"], flush=True)
+            for seed in range(args.seeds):
+                configs = [dict(workers=1, threads=2), dict(workers=1, threads=1)] + \
+                          [dict(workers=2, k=k) for k in LM_FIXED] + [dict(workers=2, adapt=True)]
+                for cfg in configs:
+                    log = logs / f"lm-{seed}-{len(out['lm'])}" if cfg["workers"] == 2 else None
+                    r = run(LM, seed=seed, log_dir=log, extra=["--eval-every", str(LM_EVAL_EVERY)], **cfg)
+                    if log is not None:
+                        r["timings"] = timings(log)
+                    out["lm"].append(r)
+                    print(f"LM seed {seed} {cfg}: test loss {r['test_loss']:.4f}, {r['steps']} steps, "
+                          f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-    (RESULTS / "goodput_tta.json").write_text(json.dumps(out, indent=1) + "\n")
+    out.pop("date", None)
+    store.write_text(json.dumps(out, indent=1) + "\n")
     report(out, argv if argv is not None else sys.argv[1:])
     return 0
 
@@ -159,17 +195,69 @@ def label(r) -> str:
     return f"2 workers, {'adapt=goodput (k from 1, max 16)' if r['adapt'] else 'k = ' + str(r['k'])}"
 
 
+def ceiling_line(c: dict) -> str:
+    return (f"Ceiling ({c['steps']} baseline steps at S = 1): one process {c['one_thread']:.1f} s "
+            f"with 1 thread, {c['two_threads']:.1f} s with 2; two 1-thread processes side by side "
+            f"{c['side_by_side'][0]:.1f} and {c['side_by_side'][1]:.1f} s: the two cores do "
+            f"**x{c['work_ratio']:.2f}** the work of one (one process with 2 threads: "
+            f"x{c['one_thread'] / c['two_threads']:.2f}).")
+
+
+def step_table(runs: list[dict]) -> list[str]:
+    """Where a 2-worker step's time goes (the first seed), and the model fitted to k = 1."""
+    seed = min(r["seed"] for r in runs)
+    runs0 = [r for r in runs if r["seed"] == seed and r["workers"] == 2]
+    model = goodput.StepTimeModel(**next(r for r in runs0 if r["k"] == 1 and not r["adapt"])
+                                  ["timings"]["model"])
+    lines = ["Where a 2-worker step's time goes (seed 0, means after the first 5 steps; ms), and "
+             "the step-time model fitted to the k = 1 run predicting the others' mean step time:", "",
+             "| run | k | steps | per pass | allreduce wait | update | step | predicted from k = 1 | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs0:
+        for k, t in r["timings"]["by_k"].items():
+            pred = model.step_time(int(k))
+            lines.append(f"| {label(r)} | {k} | {t['steps']} | {1e3 * t['pass_time']:.1f} | "
+                         f"{1e3 * t['allreduce_time']:.1f} | {1e3 * t['update_time']:.1f} | "
+                         f"{1e3 * t['step_time']:.1f} | {1e3 * pred:.1f} | "
+                         f"{100 * (pred - t['step_time']) / t['step_time']:+.0f}% |")
+    one = next(r for r in runs if r["seed"] == seed and r["workers"] == 1 and r["threads"] == 2)
+    return lines + ["", f"One process with 2 threads: {1e3 * one['seconds'] / one['steps']:.1f} ms per "
+                    "step (one pass, no allreduce)."]
+
+
+def time_to(runs: list[dict], reached) -> list[str]:
+    """Per run kind: finals per seed, steps, final k, training s, and the median time to the
+    first evaluation where `reached(run, curve point)` holds against the same seed's S = 1 run."""
+    groups: dict[str, list] = {}
+    for r in runs:
+        groups.setdefault(label(r), []).append(r)
+    lines = []
+    for name, rs in groups.items():
+        reach = [next((point[0] for point in r["curve"] if reached(r, point)), None) for r in rs]
+        hit = [x for x in reach if x is not None]
+        lines.append(f"| {name} | {' / '.join(final(r) for r in rs)} | "
+                     f"{median([r['steps'] for r in rs]):.0f} | "
+                     f"{'/'.join(str(r.get('final_passes', r['k'])) for r in rs)} | "
+                     f"{median([r['seconds'] for r in rs]):.1f} | "
+                     + (f"{median(hit):.1f} s ({len(hit)} of {len(rs)} seeds)" if hit else "not reached")
+                     + " |")
+    return lines
+
+
+def final(r: dict) -> str:
+    return f"{r['test_loss']:.4f}" if "test_loss" in r else f"{100 * r['test_accuracy']:.1f}"
+
+
 def report(out: dict, argv) -> None:
-    c = out["ceiling"]
+    dates = out["dates"]
     lines = ["# B5: time to accuracy with two workers on two cores (issue #24)", "",
-             "Task A: B4's Transformer (examples/torch_translate.py), T = 2400 (S = 1 converged), "
-             "lr 0.008; adascale_adam for 2 workers (Gloo, HOROVOD_CYCLE_TIME=5, 1 thread each). "
-             "Time: training seconds to tau = T (evaluation excluded); reached: BLEU within 1 of the "
-             "same seed's one-process (2 threads) run. Medians over seeds "
+             f"Task A ({dates['a']} UTC): B4's Transformer (examples/torch_translate.py), T = 2400 "
+             "(S = 1 converged), lr 0.008; adascale_adam for 2 workers (Gloo, HOROVOD_CYCLE_TIME=5, "
+             "1 thread each). Time: training seconds to tau = T (evaluation excluded); reached: BLEU "
+             "within 1 of the same seed's one-process (2 threads) run. Medians over seeds "
              f"({len({r['seed'] for r in out['b4']})}).", "",
              "| run | BLEU (per seed) | steps | final k | training s | reached | vs 1 process, 2 threads |",
              "|---|---|---|---|---|---|---|"]
-    seeds = sorted({r["seed"] for r in out["b4"]})
     base = {r["seed"]: r for r in out["b4"] if r["workers"] == 1 and r["threads"] == 2}
     groups: dict[str, list] = {}
     for r in out["b4"]:
@@ -183,54 +271,32 @@ def report(out: dict, argv) -> None:
                      f"{median([r['steps'] for r in rs]):.0f} | "
                      f"{'/'.join(str(r.get('final_passes', r['k'])) for r in rs)} | {t:.1f} | "
                      f"{'yes' if hit else 'no'} | x{speed:.2f} |")
-    lines += ["", f"Ceiling ({c['steps']} baseline steps at S = 1): one process {c['one_thread']:.1f} s "
-              f"with 1 thread, {c['two_threads']:.1f} s with 2; two 1-thread processes side by side "
-              f"{c['side_by_side'][0]:.1f} and {c['side_by_side'][1]:.1f} s: the two cores do "
-              f"**x{c['work_ratio']:.2f}** the work of one (one process with 2 threads: "
-              f"x{c['one_thread'] / c['two_threads']:.2f}).", "",
-              "Where a 2-worker step's time goes (seed 0, means after the first 5 steps; ms), and "
-              "the step-time model fitted to the k = 1 run predicting the others' mean step time:", "",
-              "| run | k | steps | per pass | allreduce wait | update | step | predicted from k = 1 | error |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    runs0 = [r for r in out["b4"] if r["seed"] == seeds[0] and r["workers"] == 2]
-    k1 = next(r for r in runs0 if r["k"] == 1 and not r["adapt"])
-    m = k1["timings"]["model"]
-    model = goodput.StepTimeModel(**m)
-    for r in runs0:
-        for k, t in r["timings"]["by_k"].items():
-            pred = model.step_time(k)
-            lines.append(f"| {label(r)} | {k} | {t['steps']} | {1e3 * t['pass_time']:.1f} | "
-                         f"{1e3 * t['allreduce_time']:.1f} | {1e3 * t['update_time']:.1f} | "
-                         f"{1e3 * t['step_time']:.1f} | {1e3 * pred:.1f} | "
-                         f"{100 * (pred - t['step_time']) / t['step_time']:+.0f}% |")
-    one = base[seeds[0]]
-    lines += ["", f"One process with 2 threads: {1e3 * one['seconds'] / one['steps']:.1f} ms per step "
-              "(one pass, no allreduce)."]
-    if out["b1"]:
-        lines += ["", "Task B: B1 (examples/torch_mnist1d.py, SGD momentum 0.9, T = 3000, lr 0.05, "
-                  "adascale for 2 workers), test accuracy every 100 baseline steps; time: training "
-                  "seconds to the first evaluation at the same seed's one-process final accuracy.", "",
-                  "| run | final % (per seed) | steps | final k | training s | to the S = 1 final |",
-                  "|---|---|---|---|---|---|"]
+    lines += ["", ceiling_line(out["ceiling"]), "", *step_table(out["b4"])]
+    if out.get("b1"):
         b1base = {r["seed"]: r for r in out["b1"] if r["workers"] == 1}
-        groups = {}
-        for r in out["b1"]:
-            groups.setdefault(label(r), []).append(r)
-        for name, rs in groups.items():
-            reach = []
-            for r in rs:
-                target = b1base[r["seed"]]["test_accuracy"]
-                reach.append(next((sec for sec, _tau, _steps, acc in r["curve"] if acc >= target), None))
-            reached = [x for x in reach if x is not None]
-            accs = " / ".join(f"{100 * r['test_accuracy']:.1f}" for r in rs)
-            lines.append(f"| {name} | {accs} | "
-                         f"{median([r['steps'] for r in rs]):.0f} | "
-                         f"{'/'.join(str(r.get('final_passes', r['k'])) for r in rs)} | "
-                         f"{median([r['seconds'] for r in rs]):.1f} | "
-                         + (f"{median(reached):.1f} s ({len(reached)} of {len(rs)} seeds)" if reached
-                            else "not reached") + " |")
-    lines += ["", f"- date: {out['date']} UTC; {out['machine']}",
-              f"- rerun: `.venv/bin/python benchmarks/goodput_tta.py {' '.join(argv)}`".rstrip()]
+        lines += ["", f"Task B ({dates['b']} UTC): B1 (examples/torch_mnist1d.py, SGD momentum 0.9, "
+                  "T = 3000, lr 0.05, adascale for 2 workers), test accuracy every 100 baseline "
+                  "steps; time: training seconds to the first evaluation at the same seed's "
+                  "one-process final accuracy.", "",
+                  "| run | final % (per seed) | steps | final k | training s | to the S = 1 final |",
+                  "|---|---|---|---|---|---|",
+                  *time_to(out["b1"], lambda r, pt: pt[3] >= b1base[r["seed"]]["test_accuracy"])]
+    if out.get("lm"):
+        lmbase = {r["seed"]: r for r in out["lm"] if r["workers"] == 1 and r["threads"] == 2}
+        lines += ["", f"Task C ({dates['c']} UTC): a GRU language model (examples/torch_lm.py: the "
+                  "grammar's random sentences, Adam, T = 3000 where doubling the budget does not "
+                  "help, lr 0.01, 64 sentences a micro-batch; adascale_adam for 2 workers as in "
+                  f"task A), the test loss every {LM_EVAL_EVERY} baseline steps; time: training "
+                  f"seconds to the first evaluation within {LM_TOLERANCE} nats (perplexity within "
+                  "1%) of the same seed's one-process (2 threads) final test loss.", "",
+                  "| run | final test loss (per seed) | steps | final k | training s | to the S = 1 final + 0.01 |",
+                  "|---|---|---|---|---|---|",
+                  *time_to(out["lm"], lambda r, pt: pt[3] <= lmbase[r["seed"]]["test_loss"] + LM_TOLERANCE),
+                  "", ceiling_line(out["lm_ceiling"]), "", *step_table(out["lm"])]
+    lines += ["", f"- {out['machine']}",
+              "- rerun: `.venv/bin/python benchmarks/goodput_tta.py` (all tasks); `--tasks c` reruns "
+              "task C alone and keeps the other tasks' rows; this report's last run: "
+              f"`.venv/bin/python benchmarks/goodput_tta.py {' '.join(argv)}`"]
     (RESULTS / "goodput_tta.md").write_text("\n".join(lines) + "\n")
     print((RESULTS / "goodput_tta.md").read_text())
 
