@@ -130,11 +130,12 @@ def median(xs):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--tasks", default="a,b,c", help="comma-separated, of a, b, c")
+    p.add_argument("--tasks", default="a,b,c,c-budget",
+                   help="comma-separated, of a, b, c, c-budget (task C's S = 1 at twice the budget)")
     args = p.parse_args(argv)
     tasks = set(args.tasks.split(","))
-    if not tasks <= {"a", "b", "c"}:
-        p.error(f"--tasks takes a comma-separated subset of a, b, c; got {args.tasks!r}")
+    if not tasks <= {"a", "b", "c", "c-budget"}:
+        p.error(f"--tasks takes a comma-separated subset of a, b, c, c-budget; got {args.tasks!r}")
     store = RESULTS / "goodput_tta.json"
     out = json.loads(store.read_text()) if store.exists() else {}
     out.setdefault("dates", {task: out.get("date") for task in ("a", "b")})
@@ -181,6 +182,11 @@ def main(argv=None) -> int:
                     out["lm"].append(r)
                     print(f"LM seed {seed} {cfg}: test loss {r['test_loss']:.4f}, {r['steps']} steps, "
                           f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
+        if "c-budget" in tasks:  # is T converged? S = 1 at 2T, seed 0
+            out["dates"]["c-budget"] = now
+            out["lm_budget"] = run(LM, workers=1, threads=2, seed=0, budget=2 * LM["budget"],
+                                   extra=["--eval-every", str(LM_EVAL_EVERY)])
+            print(f"LM at T = {2 * LM['budget']}: test loss {out['lm_budget']['test_loss']:.4f}", flush=True)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
     out.pop("date", None)
@@ -209,16 +215,17 @@ def step_table(runs: list[dict]) -> list[str]:
     runs0 = [r for r in runs if r["seed"] == seed and r["workers"] == 2]
     model = goodput.StepTimeModel(**next(r for r in runs0 if r["k"] == 1 and not r["adapt"])
                                   ["timings"]["model"])
-    lines = ["Where a 2-worker step's time goes (seed 0, means after the first 5 steps; ms), and "
-             "the step-time model fitted to the k = 1 run predicting the others' mean step time:", "",
-             "| run | k | steps | per pass | allreduce wait | update | step | predicted from k = 1 | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["Where a 2-worker step's time goes (seed 0, means after the first 5 steps; ms; per "
+             "micro-batch: the step over its 2k micro-batches), and the step-time model fitted to "
+             "the k = 1 run predicting the others' mean step time:", "",
+             "| run | k | steps | per pass | allreduce wait | update | step | per micro-batch | predicted from k = 1 | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs0:
         for k, t in r["timings"]["by_k"].items():
             pred = model.step_time(int(k))
             lines.append(f"| {label(r)} | {k} | {t['steps']} | {1e3 * t['pass_time']:.1f} | "
                          f"{1e3 * t['allreduce_time']:.1f} | {1e3 * t['update_time']:.1f} | "
-                         f"{1e3 * t['step_time']:.1f} | {1e3 * pred:.1f} | "
+                         f"{1e3 * t['step_time']:.1f} | {1e3 * t['step_time'] / (2 * int(k)):.1f} | {1e3 * pred:.1f} | "
                          f"{100 * (pred - t['step_time']) / t['step_time']:+.0f}% |")
     one = next(r for r in runs if r["seed"] == seed and r["workers"] == 1 and r["threads"] == 2)
     return lines + ["", f"One process with 2 threads: {1e3 * one['seconds'] / one['steps']:.1f} ms per "
@@ -236,7 +243,7 @@ def time_to(runs: list[dict], reached) -> list[str]:
         reach = [next((point[0] for point in r["curve"] if reached(r, point)), None) for r in rs]
         hit = [x for x in reach if x is not None]
         lines.append(f"| {name} | {' / '.join(final(r) for r in rs)} | "
-                     f"{median([r['steps'] for r in rs]):.0f} | "
+                     f"{median([r['steps'] for r in rs]):.0f} | {median([r['mean_gain'] for r in rs]):.2f} | "
                      f"{'/'.join(str(r.get('final_passes', r['k'])) for r in rs)} | "
                      f"{median([r['seconds'] for r in rs]):.1f} | "
                      + (f"{median(hit):.1f} s ({len(hit)} of {len(rs)} seeds)" if hit else "not reached")
@@ -278,8 +285,8 @@ def report(out: dict, argv) -> None:
                   "T = 3000, lr 0.05, adascale for 2 workers), test accuracy every 100 baseline "
                   "steps; time: training seconds to the first evaluation at the same seed's "
                   "one-process final accuracy.", "",
-                  "| run | final % (per seed) | steps | final k | training s | to the S = 1 final |",
-                  "|---|---|---|---|---|---|",
+                  "| run | final % (per seed) | steps | mean gain | final k | training s | to the S = 1 final |",
+                  "|---|---|---|---|---|---|---|",
                   *time_to(out["b1"], lambda r, pt: pt[3] >= b1base[r["seed"]]["test_accuracy"])]
     if out.get("lm"):
         lmbase = {r["seed"]: r for r in out["lm"] if r["workers"] == 1 and r["threads"] == 2}
@@ -289,10 +296,16 @@ def report(out: dict, argv) -> None:
                   f"task A), the test loss every {LM_EVAL_EVERY} baseline steps; time: training "
                   f"seconds to the first evaluation within {LM_TOLERANCE} nats (perplexity within "
                   "1%) of the same seed's one-process (2 threads) final test loss.", "",
-                  "| run | final test loss (per seed) | steps | final k | training s | to the S = 1 final + 0.01 |",
-                  "|---|---|---|---|---|---|",
+                  "| run | final test loss (per seed) | steps | mean gain | final k | training s | to the S = 1 final + 0.01 |",
+                  "|---|---|---|---|---|---|---|",
                   *time_to(out["lm"], lambda r, pt: pt[3] <= lmbase[r["seed"]]["test_loss"] + LM_TOLERANCE),
                   "", ceiling_line(out["lm_ceiling"]), "", *step_table(out["lm"])]
+    if out.get("lm_budget"):
+        twice, once = out["lm_budget"], next(r for r in out.get("lm", []) if r["seed"] == 0
+                                              and r["workers"] == 1 and r["threads"] == 2)
+        lines += ["", f"Task C's budget ({dates['c-budget']} UTC): one process (2 threads, seed 0) at "
+                  f"T = {twice['progress']:.0f} ends at test loss {twice['test_loss']:.4f} against "
+                  f"{once['test_loss']:.4f} at T = {once['progress']:.0f}: more steps do not help."]
     lines += ["", f"- {out['machine']}",
               "- rerun: `.venv/bin/python benchmarks/goodput_tta.py` (all tasks); `--tasks c` reruns "
               "task C alone and keeps the other tasks' rows; this report's last run: "
