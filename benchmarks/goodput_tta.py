@@ -123,6 +123,25 @@ def ceiling(task: dict = B4, steps: int = 300) -> dict:
             "work_ratio": 2 * one / max(pair)}
 
 
+def time_runs(task: dict, fixed, seeds: int, logs: pathlib.Path, extra: list, quality) -> list[dict]:
+    """Per seed: one process with 2 and 1 threads, 2 workers at each fixed k and with adapt; the
+    workers' step times from their logs."""
+    runs = []
+    for seed in range(seeds):
+        configs = [dict(workers=1, threads=2), dict(workers=1, threads=1)] + \
+                  [dict(workers=2, k=k) for k in fixed] + [dict(workers=2, adapt=True)]
+        for cfg in configs:
+            log = logs / f"{seed}-{len(runs)}" if cfg["workers"] == 2 else None
+            r = run(task, seed=seed, log_dir=log, extra=extra, **cfg)
+            if log is not None:
+                r["timings"] = timings(log)
+            r.pop("sample", None)
+            runs.append(r)
+            print(f"{task['script']} seed {seed} {cfg}: {quality(r)}, {r['steps']} steps, "
+                  f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
+    return runs
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -144,21 +163,8 @@ def main(argv=None) -> int:
     logs = pathlib.Path(tempfile.mkdtemp(prefix="b5logs-"))
     try:
         if "a" in tasks:
-            out["dates"]["a"], out["b4"] = now, []
-            out["ceiling"] = ceiling(B4)
-            print("ceiling", out["ceiling"], flush=True)
-            for seed in range(args.seeds):
-                configs = [dict(workers=1, threads=2), dict(workers=1, threads=1)] + \
-                          [dict(workers=2, k=k) for k in FIXED] + [dict(workers=2, adapt=True)]
-                for cfg in configs:
-                    log = logs / f"b4-{seed}-{len(out['b4'])}" if cfg["workers"] == 2 else None
-                    r = run(B4, seed=seed, log_dir=log, **cfg)
-                    if log is not None:
-                        r["timings"] = timings(log)
-                    r.pop("sample", None)
-                    out["b4"].append(r)
-                    print(f"B4 seed {seed} {cfg}: BLEU {r['bleu']:.1f}, {r['steps']} steps, "
-                          f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
+            out["dates"]["a"], out["ceiling"] = now, ceiling(B4)
+            out["b4"] = time_runs(B4, FIXED, args.seeds, logs / "b4", [], lambda r: f"BLEU {r['bleu']:.1f}")
         if "b" in tasks:
             out["dates"]["b"], out["b1"] = now, []
             for seed in range(args.seeds):
@@ -168,20 +174,9 @@ def main(argv=None) -> int:
                     print(f"B1 seed {seed} {cfg}: acc {100 * r['test_accuracy']:.1f}%, "
                           f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
         if "c" in tasks:
-            out["dates"]["c"], out["lm"] = now, []
-            out["lm_ceiling"] = ceiling(LM)
-            print("ceiling", out["lm_ceiling"], flush=True)
-            for seed in range(args.seeds):
-                configs = [dict(workers=1, threads=2), dict(workers=1, threads=1)] + \
-                          [dict(workers=2, k=k) for k in LM_FIXED] + [dict(workers=2, adapt=True)]
-                for cfg in configs:
-                    log = logs / f"lm-{seed}-{len(out['lm'])}" if cfg["workers"] == 2 else None
-                    r = run(LM, seed=seed, log_dir=log, extra=["--eval-every", str(LM_EVAL_EVERY)], **cfg)
-                    if log is not None:
-                        r["timings"] = timings(log)
-                    out["lm"].append(r)
-                    print(f"LM seed {seed} {cfg}: test loss {r['test_loss']:.4f}, {r['steps']} steps, "
-                          f"{r['seconds']:.1f} s, final k {r.get('final_passes')}", flush=True)
+            out["dates"]["c"], out["lm_ceiling"] = now, ceiling(LM)
+            out["lm"] = time_runs(LM, LM_FIXED, args.seeds, logs / "lm", ["--eval-every", str(LM_EVAL_EVERY)],
+                                  lambda r: f"test loss {r['test_loss']:.4f}")
         if "c-budget" in tasks:  # is T converged? S = 1 at 2T, seed 0
             out["dates"]["c-budget"] = now
             out["lm_budget"] = run(LM, workers=1, threads=2, seed=0, budget=2 * LM["budget"],
