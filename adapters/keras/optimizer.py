@@ -23,6 +23,7 @@ operation in ``hvd_scale.adapters.core``. What this module does:
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any
 
@@ -301,18 +302,22 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         measured = statistics is not None
         if not measured:
             statistics = ops.zeros((3,), "float64")
-
-        def host(state, statistics, finite, user_settings, loss_scale):
-            self.scaling.policy.load_state_vector(np.asarray(state, dtype=np.float64), GROUPS)
-            plan = fn(statistics if measured else None, bool(finite), user_settings,
-                      float(loss_scale))
-            return self.scaling.policy.state_vector(GROUPS), np.asarray(plan, dtype=np.float64)
-
+        # A method, not a function defined here: TensorFlow's autograph rewrites functions defined
+        # inside the traced step, and the rewritten one would pass every call it makes, every
+        # step, through autograph's call wrapper.
         new_state, plan = self._backend.host_call(
-            host, [self._state.value, statistics, finite, user_settings, loss_scale],
+            functools.partial(self._host_step, fn, measured),
+            [self._state.value, statistics, finite, user_settings, loss_scale],
             name="hvd_scale_policy_step")
         self._state.assign(ops.reshape(new_state, self._state.shape))
         return ops.reshape(plan, (GROUPS, len(PLAN)))
+
+    def _host_step(self, fn, measured, state, statistics, finite, user_settings, loss_scale):
+        """The host side of ``on_host``, in numpy: the policy from the state variable, ``fn``,
+        and the new state with the plan."""
+        self.scaling.policy.load_state_vector(np.asarray(state, dtype=np.float64), GROUPS)
+        plan = fn(statistics if measured else None, bool(finite), user_settings, float(loss_scale))
+        return self.scaling.policy.state_vector(GROUPS), np.asarray(plan, dtype=np.float64)
 
     def apply_step(self, plan, closure=None):
         """inner.apply with the plan's lr (and, for adascale_adam, the step's beta_1, beta_2,
