@@ -99,6 +99,21 @@ def test_a_worker_joins_at_the_passes_adapt_chose(tmp_path):
     assert finals[0]["scale"] == 6.0
 
 
+@pytest.mark.timeout(200)
+def test_a_worker_leaves_after_the_passes_changed(tmp_path):
+    """Issue #24: k went from 1 to 2 at step 3; a worker leaves at step 6: the two that remain keep
+    k = 2 (nothing to agree on: they both had it) and S = workers x k follows the world size."""
+    steps, finals = run_elastic(tmp_path, 3, 2, worker_args=["--passes-at", "3"])
+    assert steps[0]["size"] == 3 and steps[-1]["size"] == 2
+    for r in steps:
+        assert r["scale"] == r["size"] * r["passes"], r
+    assert {r["passes"] for r in steps if r["step"] > 3} == {2}
+    assert {r["size"] for r in steps if r["passes"] == 2} == {3, 2}  # the leave came after the change
+    assert len(finals) == 2
+    assert len({(f["progress"], f["steps"], f["checksum"], f["scale"]) for f in finals}) == 1, finals
+    assert finals[0]["scale"] == 4.0 and finals[0]["progress"] >= BUDGET
+
+
 # Two host names for one machine: Horovod blacklists the host of a failed worker, so the worker
 # that dies must sit on a host of its own ("127.0.0.1" resolves to this machine, runs locally).
 TWO_HOSTS = "localhost:2\n127.0.0.1:1\n"
