@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         p.error(f"--tasks takes a comma-separated subset of a, b, c, c-budget; got {args.tasks!r}")
     store = RESULTS / "goodput_tta.json"
     out = json.loads(store.read_text()) if store.exists() else {}
-    out.setdefault("dates", {task: out.get("date") for task in ("a", "b")})
+    out.setdefault("dates", {})
     now = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
     out["machine"] = f"{os.cpu_count()} CPUs, {platform.platform()}"
     logs = pathlib.Path(tempfile.mkdtemp(prefix="b5logs-"))
@@ -184,7 +184,6 @@ def main(argv=None) -> int:
             print(f"LM at T = {2 * LM['budget']}: test loss {out['lm_budget']['test_loss']:.4f}", flush=True)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-    out.pop("date", None)
     store.write_text(json.dumps(out, indent=1) + "\n")
     report(out, argv if argv is not None else sys.argv[1:])
     return 0
@@ -194,6 +193,19 @@ def label(r) -> str:
     if r["workers"] == 1:
         return f"1 process, {r['threads']} thread{'s' if r['threads'] > 1 else ''}, S = 1"
     return f"2 workers, {'adapt=goodput (k from 1, max 16)' if r['adapt'] else 'k = ' + str(r['k'])}"
+
+
+def peers(runs: list[dict]) -> dict[int, dict]:
+    """Each seed's one-process run with 2 threads: the peer the other runs are measured against."""
+    return {r["seed"]: r for r in runs if r["workers"] == 1 and r["threads"] == 2}
+
+
+def by_label(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs grouped by kind (one per seed each), in the order they ran."""
+    groups: dict[str, list] = {}
+    for r in runs:
+        groups.setdefault(label(r), []).append(r)
+    return groups
 
 
 def ceiling_line(c: dict) -> str:
@@ -222,7 +234,7 @@ def step_table(runs: list[dict]) -> list[str]:
                          f"{1e3 * t['allreduce_time']:.1f} | {1e3 * t['update_time']:.1f} | "
                          f"{1e3 * t['step_time']:.1f} | {1e3 * t['step_time'] / (2 * int(k)):.1f} | {1e3 * pred:.1f} | "
                          f"{100 * (pred - t['step_time']) / t['step_time']:+.0f}% |")
-    one = next(r for r in runs if r["seed"] == seed and r["workers"] == 1 and r["threads"] == 2)
+    one = peers(runs)[seed]
     return lines + ["", f"One process with 2 threads: {1e3 * one['seconds'] / one['steps']:.1f} ms per "
                     "step (one pass, no allreduce)."]
 
@@ -230,11 +242,8 @@ def step_table(runs: list[dict]) -> list[str]:
 def time_to(runs: list[dict], reached) -> list[str]:
     """Per run kind: finals per seed, steps, final k, training s, and the median time to the
     first evaluation where `reached(run, curve point)` holds against the same seed's S = 1 run."""
-    groups: dict[str, list] = {}
-    for r in runs:
-        groups.setdefault(label(r), []).append(r)
     lines = []
-    for name, rs in groups.items():
+    for name, rs in by_label(runs).items():
         reach = [next((point[0] for point in r["curve"] if reached(r, point)), None) for r in rs]
         hit = [x for x in reach if x is not None]
         lines.append(f"| {name} | {' / '.join(final(r) for r in rs)} | "
@@ -260,11 +269,8 @@ def report(out: dict, argv) -> None:
              f"({len({r['seed'] for r in out['b4']})}).", "",
              "| run | BLEU (per seed) | steps | final k | training s | reached | vs 1 process, 2 threads |",
              "|---|---|---|---|---|---|---|"]
-    base = {r["seed"]: r for r in out["b4"] if r["workers"] == 1 and r["threads"] == 2}
-    groups: dict[str, list] = {}
-    for r in out["b4"]:
-        groups.setdefault(label(r), []).append(r)
-    for name, rs in groups.items():
+    base = peers(out["b4"])
+    for name, rs in by_label(out["b4"]).items():
         hit = all(r["bleu"] >= base[r["seed"]]["bleu"] - 1 for r in rs)
         t = median([r["seconds"] for r in rs])
         speed = median([base[r["seed"]]["seconds"] for r in rs]) / t
@@ -275,7 +281,7 @@ def report(out: dict, argv) -> None:
                      f"{'yes' if hit else 'no'} | x{speed:.2f} |")
     lines += ["", ceiling_line(out["ceiling"]), "", *step_table(out["b4"])]
     if out.get("b1"):
-        b1base = {r["seed"]: r for r in out["b1"] if r["workers"] == 1}
+        b1base = peers(out["b1"])
         lines += ["", f"Task B ({dates['b']} UTC): B1 (examples/torch_mnist1d.py, SGD momentum 0.9, "
                   "T = 3000, lr 0.05, adascale for 2 workers), test accuracy every 100 baseline "
                   "steps; time: training seconds to the first evaluation at the same seed's "
@@ -284,10 +290,11 @@ def report(out: dict, argv) -> None:
                   "|---|---|---|---|---|---|---|",
                   *time_to(out["b1"], lambda r, pt: pt[3] >= b1base[r["seed"]]["test_accuracy"])]
     if out.get("lm"):
-        lmbase = {r["seed"]: r for r in out["lm"] if r["workers"] == 1 and r["threads"] == 2}
+        lmbase = peers(out["lm"])
         lines += ["", f"Task C ({dates['c']} UTC): a GRU language model (examples/torch_lm.py: the "
-                  "grammar's random sentences, Adam, T = 3000 where doubling the budget does not "
-                  "help, lr 0.01, 64 sentences a micro-batch; adascale_adam for 2 workers as in "
+                  f"grammar's random sentences, Adam, T = {LM['budget']} (converged? the budget "
+                  f"line below), lr {LM['lr']}, {LM['batch']} sentences a micro-batch; "
+                  "adascale_adam for 2 workers as in "
                   f"task A), the test loss every {LM_EVAL_EVERY} baseline steps; time: training "
                   f"seconds to the first evaluation within {LM_TOLERANCE} nats (perplexity within "
                   "1%) of the same seed's one-process (2 threads) final test loss.", "",
@@ -296,11 +303,12 @@ def report(out: dict, argv) -> None:
                   *time_to(out["lm"], lambda r, pt: pt[3] <= lmbase[r["seed"]]["test_loss"] + LM_TOLERANCE),
                   "", ceiling_line(out["lm_ceiling"]), "", *step_table(out["lm"])]
     if out.get("lm_budget"):
-        twice, once = out["lm_budget"], next(r for r in out.get("lm", []) if r["seed"] == 0
-                                              and r["workers"] == 1 and r["threads"] == 2)
+        twice, once = out["lm_budget"], peers(out["lm"])[0]
         lines += ["", f"Task C's budget ({dates['c-budget']} UTC): one process (2 threads, seed 0) at "
                   f"T = {twice['progress']:.0f} ends at test loss {twice['test_loss']:.4f} against "
-                  f"{once['test_loss']:.4f} at T = {once['progress']:.0f}: more steps do not help."]
+                  f"{once['test_loss']:.4f} at T = {once['progress']:.0f}: "
+                  + ("more steps do not help." if twice["test_loss"] > once["test_loss"] - LM_TOLERANCE
+                     else "**more steps help: T is not converged**.")]
     lines += ["", f"- {out['machine']}",
               "- rerun: `.venv/bin/python benchmarks/goodput_tta.py` (all tasks); `--tasks c` reruns "
               "task C alone and keeps the other tasks' rows; this report's last run: "
