@@ -357,12 +357,11 @@ class Scaling:
         info = self.last_step
         if info is None or not self.policy.moments_in_progress:
             return None
-        horizon, exponent = self.policy.moment_horizon(info)
         return adam_step(lr=base_lr * lr_factor, base_lr=base_lr, beta1=beta1, beta2=beta2,
                          eps=eps, gain=info.gain,
-                         progress=moment_progress(exponent, info.step, framework_step),
+                         progress=moment_progress(info.progress, info.step, framework_step),
                          framework_step=framework_step, eps_placement=eps_placement,
-                         weight_decay=weight_decay, horizon=horizon)
+                         weight_decay=weight_decay)
 
     def check_lrs(self, lrs: Mapping[str, Any]) -> None:
         """The lrs of the step about to be taken ({name: lr}) must be finite and >= 0: set after

@@ -14,8 +14,13 @@ E[q] = mu2 + sigma2 / S, which give the unbiased estimators
 
     sigma2_hat = S (m - q) / (n - 1)        mu2_hat = (n q - m) / (n - 1) = q - sigma2_hat / S
 
-Both are clipped (sigma2_hat >= SIGMA2_FLOOR * m, mu2_hat >= 0), then smoothed by a debiased
-exponential moving average  b <- theta b + (1 - theta) x,  u <- theta u + (1 - theta),  x_bar = b / u.
+They are smoothed as they are, by a debiased exponential moving average
+b <- theta b + (1 - theta) x,  u <- theta u + (1 - theta),  x_bar = b / u,  and clipped only when
+read (sum over groups of mu2_bar >= 0; AdaptDL does the same). Clipping each step's mu2_hat at 0
+first would bias the EMA upwards wherever the noise dominates: with n = S = 2 and sigma2 / mu2 =
+100 the clipped steps average ~3x the true mu2, and the gain predicted at S = 16 comes out 21%
+low (tests/test_estimate.py). sigma2_hat >= 0 holds for every step (m >= q); it is floored at
+SIGMA2_FLOOR * m only against a step whose micro-gradients are all equal.
 
 Everything here is numpy. Statistics are floats, or 1-D arrays with one entry per parameter group;
 the gain uses the sums over groups (one lr factor for the whole model, as in the paper).
@@ -68,7 +73,7 @@ def check_scale(scale: Any) -> float:
     return s
 
 
-def _check_smoothing(smoothing: Any) -> float | None:
+def check_smoothing(smoothing: Any) -> float | None:
     if smoothing is None:
         return None
     theta = float(smoothing)
@@ -83,7 +88,8 @@ def default_smoothing(scale: float) -> float:
 
 
 def estimate_moments(sqnorm_sum, mean_sqnorm, n: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """One step's clipped, unbiased (sigma2_hat, mu2_hat), per parameter group.
+    """One step's unbiased (sigma2_hat, mu2_hat), per parameter group; mu2_hat may be < 0 (the
+    EMA takes it as it is; ``summed_moments`` clips when reading).
 
     sqnorm_sum: sum over the n micro-gradients of |g_i|^2 (summed over all workers).
     mean_sqnorm: |g_bar|^2 of their average.
@@ -104,8 +110,14 @@ def estimate_moments(sqnorm_sum, mean_sqnorm, n: int, scale: float) -> tuple[np.
     m = sqnorm_sum / n
     q = mean_sqnorm
     sigma2 = np.maximum(scale * (m - q) / (n - 1), SIGMA2_FLOOR * m)
-    mu2 = np.maximum((n * q - m) / (n - 1), 0.0)
+    mu2 = (n * q - m) / (n - 1)
     return sigma2, mu2
+
+
+def summed_moments(sigma2, mu2) -> tuple[float, float]:
+    """(sigma2, mu2) summed over parameter groups and clipped at 0: the values every reading of
+    the estimates uses (the EMAs hold the unclipped per-step estimates)."""
+    return max(float(np.sum(sigma2)), 0.0), max(float(np.sum(mu2)), 0.0)
 
 
 def gain_ratio(sigma2, mu2, scale: float) -> float:
@@ -113,7 +125,7 @@ def gain_ratio(sigma2, mu2, scale: float) -> float:
 
     With no signal at all (both zero) the gain is 1: nothing justifies a larger step.
     """
-    var, sqr = float(np.sum(sigma2)), float(np.sum(mu2))
+    var, sqr = summed_moments(sigma2, mu2)
     denominator = var / scale + sqr
     if denominator <= 0.0:
         return 1.0
@@ -121,7 +133,7 @@ def gain_ratio(sigma2, mu2, scale: float) -> float:
     return min(max((var + sqr) / denominator, 1.0), scale)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class EstimatorState:
     """Debiased EMAs of sigma2 and mu2 (per parameter group) and their shared bias weight u."""
 
@@ -163,6 +175,32 @@ def ema_update(state: EstimatorState, sigma2: np.ndarray, mu2: np.ndarray,
     )
 
 
+def fold(state: EstimatorState, sqnorm_sum, mean_sqnorm, n: int, scale: float,
+         theta: float) -> EstimatorState:
+    """The estimator's state after one step's statistics at scale S (``estimate_moments``, then
+    ``ema_update``). At S = 1 with one micro-gradient nothing is estimated (the gain is 1); the
+    statistics are still checked. Bad input raises ValueError."""
+    if scale == 1.0 and int(n) == 1:
+        _as_stat("sqnorm_sum", sqnorm_sum), _as_stat("mean_sqnorm", mean_sqnorm)
+        return state
+    sigma2, mu2 = estimate_moments(sqnorm_sum, mean_sqnorm, n, scale)
+    return ema_update(state, sigma2, mu2, theta)
+
+
+def smoothed(state: EstimatorState) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """The debiased EMAs b / u of sigma2 and mu2 per group (None, None before any update)."""
+    if state.sigma2_biased is None:
+        return None, None
+    return state.sigma2_biased / state.bias_weight, state.mu2_biased / state.bias_weight
+
+
+def estimated_gain(state: EstimatorState, scale: float) -> float:
+    """r in [1, S] from the smoothed estimates at scale S; 1 before any (and always at S = 1)."""
+    if scale == 1.0 or state.sigma2_biased is None:
+        return 1.0
+    return gain_ratio(*smoothed(state), scale)
+
+
 def check_keys(what: str, d: Mapping, expected: set) -> None:
     if not isinstance(d, Mapping):
         raise TypeError(f"{what} must be a dict, got {type(d).__name__}")
@@ -188,9 +226,8 @@ class GainEstimator:
 
     def __init__(self, scale: float, smoothing: float | None = None):
         self._scale = check_scale(scale)
-        self._smoothing = _check_smoothing(smoothing)
+        self._smoothing = check_smoothing(smoothing)
         self.state = EstimatorState()
-        self._gain_memo = None
 
     # -- the update ---------------------------------------------------------------------------
     def update(self, sqnorm_sum, mean_sqnorm, n: int) -> float:
@@ -200,11 +237,7 @@ class GainEstimator:
         Bad input (NaN, Inf, negative norms, n < 2 with S > 1, a changed number of groups)
         raises ValueError and leaves the state untouched.
         """
-        if self._scale == 1.0 and int(n) == 1:
-            _as_stat("sqnorm_sum", sqnorm_sum), _as_stat("mean_sqnorm", mean_sqnorm)
-            return 1.0
-        sigma2, mu2 = estimate_moments(sqnorm_sum, mean_sqnorm, n, self._scale)
-        self.state = ema_update(self.state, sigma2, mu2, self.smoothing)
+        self.state = fold(self.state, sqnorm_sum, mean_sqnorm, n, self._scale, self.smoothing)
         return self.gain
 
     # -- what it knows ------------------------------------------------------------------------
@@ -219,40 +252,32 @@ class GainEstimator:
     @property
     def group_sigma2(self) -> np.ndarray | None:
         """Smoothed sigma2 per parameter group (None before the first update)."""
-        if self.state.sigma2_biased is None:
-            return None
-        return self.state.sigma2_biased / self.state.bias_weight
+        return smoothed(self.state)[0]
 
     @property
     def group_mu2(self) -> np.ndarray | None:
-        if self.state.mu2_biased is None:
-            return None
-        return self.state.mu2_biased / self.state.bias_weight
+        """Smoothed mu2 per parameter group, unclipped (a group's may be < 0; the sum is clipped)."""
+        return smoothed(self.state)[1]
 
     @property
     def sigma2(self) -> float:
         """Smoothed variance of a baseline-batch gradient, summed over groups (nan before data)."""
-        g = self.group_sigma2
-        return math.nan if g is None else float(np.sum(g))
+        if self.state.sigma2_biased is None:
+            return math.nan
+        return summed_moments(self.group_sigma2, self.group_mu2)[0]
 
     @property
     def mu2(self) -> float:
-        """Smoothed squared norm of the true gradient, summed over groups (nan before data)."""
-        g = self.group_mu2
-        return math.nan if g is None else float(np.sum(g))
+        """Smoothed squared norm of the true gradient, summed over groups and clipped at 0 (nan
+        before data)."""
+        if self.state.mu2_biased is None:
+            return math.nan
+        return summed_moments(self.group_sigma2, self.group_mu2)[1]
 
     @property
     def gain(self) -> float:
         """r in [1, S]; 1 before any statistics (and always at S = 1)."""
-        if self._scale == 1.0 or self.state.sigma2_biased is None:
-            return 1.0
-        # A policy step reads the gain several times (factor, progress, logs): compute it once
-        # per state. States are replaced, never mutated, so identity is a safe key.
-        memo = self._gain_memo
-        if memo is None or memo[0] is not self.state or memo[1] != self._scale:
-            memo = self._gain_memo = (self.state, self._scale,
-                                      gain_ratio(self.group_sigma2, self.group_mu2, self._scale))
-        return memo[2]
+        return estimated_gain(self.state, self._scale)
 
     @property
     def noise_scale(self) -> float:
@@ -289,6 +314,6 @@ class GainEstimator:
             raise ValueError(f"checkpoint has {state.sigma2_biased.size} parameter group(s), "
                              f"this estimator tracks {self.state.sigma2_biased.size}")
         scale = check_scale(d["scale"])
-        smoothing = _check_smoothing(d["smoothing"])
+        smoothing = check_smoothing(d["smoothing"])
         # Validate everything before changing anything.
         self._scale, self._smoothing, self.state = scale, smoothing, state

@@ -58,24 +58,20 @@ def moment_progress(progress: float, policy_steps: int, framework_steps: int, ma
 
 def adam_step(*, lr: float, base_lr: float, beta1: float, beta2: float, eps: float, gain: float,
               progress: float, framework_step: int, eps_placement: str = EPS_CORRECTED,
-              weight_decay: float | None = None, horizon: float | None = None) -> AdamStep:
+              weight_decay: float | None = None) -> AdamStep:
     """The framework's settings for one Adam step at gain r with horizons in progress.
 
     lr: the step's lr as the policy sets it (baseline lr x factor); base_lr: the baseline lr (the
     decoupled decay is the baseline's, per unit of tau); beta1, beta2, eps, weight_decay: the
     user's; gain: r of this step; progress: the bias correction's exponent after this step (tau,
     ``moment_progress``); framework_step: the step count t the framework will use for its bias
-    correction (after its increment); horizon: the gain the betas and eps follow when it is not
-    this step's (``adascale_adam:horizon=previous``; the decay stays per unit of tau).
+    correction (after its increment).
     """
     if not gain >= 1.0 or not math.isfinite(gain):
         raise ValueError(f"gain must be a finite number >= 1, got {gain!r}")
     if eps_placement not in (EPS_CORRECTED, EPS_RAW):
         raise ValueError(f"eps_placement must be {EPS_CORRECTED!r} or {EPS_RAW!r}, got {eps_placement!r}")
-    horizon = gain if horizon is None else horizon
-    if not horizon >= 1.0 or not math.isfinite(horizon):
-        raise ValueError(f"horizon must be a finite number >= 1, got {horizon!r}")
-    b1, b2 = beta1 ** horizon, beta2 ** horizon
+    b1, b2 = beta1 ** gain, beta2 ** gain
     # The update wanted:    lr / c1 * m / (sqrt(v) / sqrt(c2) + eps')    c_i = 1 - beta_i ** tau
     #   = lr sqrt(c2) / c1 * m / (sqrt(v) + eps' sqrt(c2))
     # The framework's:      lr' sqrt(f2) / f1 * m / (sqrt(v) + e)        f_i = 1 - b_i ** t
@@ -85,9 +81,9 @@ def adam_step(*, lr: float, base_lr: float, beta1: float, beta2: float, eps: flo
     c1, c2 = bias_correction(beta1, progress), bias_correction(beta2, progress)
     f1, f2 = 1.0 - b1 ** framework_step, 1.0 - b2 ** framework_step
     ratio = (math.sqrt(c2) / c1) / (math.sqrt(f2) / f1)
-    if gain == 1.0 and horizon == 1.0 and ratio == 1.0:
+    if gain == 1.0 and ratio == 1.0:
         return AdamStep(lr, beta1, beta2, eps, weight_decay)  # plain Adam, bit for bit
-    step_eps = eps / math.sqrt(horizon)
+    step_eps = eps / math.sqrt(gain)
     if eps_placement == EPS_CORRECTED:
         step_eps *= math.sqrt(c2 / f2)
     step_lr = lr * ratio

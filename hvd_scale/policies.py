@@ -12,7 +12,7 @@ Every policy turns the step count and (for AdaScale) the step's gradient statist
 | sqrt          | sqrt(S)                                | S               |
 | power         | S^alpha                                | S               |
 | fixed         | a hand-tuned factor F                  | S               |
-| warmup        | 1 + (R(S) - 1) min(1, t / span)        | S               |
+| warmup        | 1 + (R(S) - 1) min(1, tau / span)      | S               |
 |               |   R: linear (default), sqrt, power, fixed                |
 | legw          | sqrt(S) min(1, tau / (S W))            | S               |
 | adascale      | r = (sigma2 + mu2) / (sigma2/S + mu2)  | r               |
@@ -34,26 +34,19 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
-from .estimate import GainEstimator, check_keys, check_scale
+from .estimate import (GainEstimator, check_smoothing, check_scale, default_smoothing,
+                       estimated_gain, fold)
 from .metrics import POLICY_METRICS
 from .moments import bias_correction, moment_progress
+from .state import PROGRESS_INDEX, STEPS_INDEX, PolicyState
 
 POLICY_ENV = "HVD_SCALE_POLICY"
 DEFAULT_POLICY = "adascale"
-# 2: the factor the latest step applied (``lr_factor``) is part of the state.
-# 3: adascale_adam's default became moments=progress; a version <= 2 adascale_adam checkpoint was
-#    saved by the behaviour now spelled 'adascale_adam:moments=steps'.
-# 4: adascale_adam's gain is capped at 8 by default (max_gain); a version <= 3 adascale_adam
-#    checkpoint was saved by the behaviour now spelled 'adascale_adam:max_gain=inf'.
-STATE_VERSION = 4
-_STATE_KEYS = {"version", "policy", "steps", "progress", "skipped", "lr_factor", "estimator"}
 
 # Which optimizers a policy has theory for, by class name (torch.optim and keras.optimizers agree).
 SGD_FAMILY = frozenset({"SGD"})
 # adascale_adam's moment horizons: in progress (betas follow the gain) or in optimizer steps.
 MOMENTS = ("progress", "steps")
-# Which step's gain those horizons follow: the current one (tau's advance) or the previous one's.
-HORIZONS = ("current", "previous")
 ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "Nadam", "RAdam"})
 
 
@@ -135,6 +128,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, raw = item.partition("=")
         key = key.strip()
+        if key in cls.renamed:
+            raise ValueError(f"policy spec {spec.strip()!r}: {cls.renamed[key]}")
         if key not in cls.options:
             valid = ", ".join(cls.options) or "none"
             raise ValueError(f"unknown option {key!r} for policy {name!r}; valid options: {valid}")
@@ -249,21 +244,21 @@ def agree_across_ranks(build: "Callable[[], Policy]",
                 "which collectives it runs)")
         raise ValueError("hvd_scale: " + "; ".join(problems))
     return built
-    seen = allgather((None if built is None else built.spec, error))
-    errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(seen) if err]
-    if errors:
-        raise ValueError("hvd_scale: bad policy set-up; " + "; ".join(errors))
-    specs = [spec for spec, _ in seen]
-    if len(set(specs)) > 1:
-        raise ValueError(f"hvd_scale: the ranks run different policies {dict(enumerate(specs))}: "
-                         "give every worker the same policy (--policy / HVD_SCALE_POLICY)")
-    return built
 
 
 # -- the policies ------------------------------------------------------------------------------
 
 class Policy:
-    """Common state: scale S, steps taken, progress tau and the gain estimator.
+    """A rule: its configuration (the class, its options, T, the EMA's theta), a pure transition
+    over the state record (``hvd_scale.state.PolicyState``), and, for the adapters, the S it runs
+    at and the record it holds.
+
+    The math is ``transition(state, statistics, scale=S) -> (state, StepInfo)``: the lr factor,
+    tau's advance and the estimates as functions of the record and this step's S, nothing else.
+    Every position is in progress (tau), so S is only ever an argument: a change of S (``rescale``)
+    moves no position by itself, and a fixed rule's factor is its rule's value at the new S.
+    ``step()`` runs the transition on the record held and replaces it; ``state`` can be read and
+    assigned (a broadcast, a Keras variable) without building anything.
 
     Every policy measures the gain when it is given statistics (so sigma2, mu2, the noise scale
     and the efficiency can be logged for any policy); only AdaScale's lr depends on it.
@@ -275,6 +270,8 @@ class Policy:
     uses_statistics: ClassVar[bool] = False   # the lr needs per-step gradient statistics
     statistics: ClassVar[str] = "plain"       # 'preconditioned': norms of the Adam-scaled gradient
     required: ClassVar[dict[str, str]] = {}   # option -> usage, for options without a default
+    renamed: ClassVar[dict[str, str]] = {}    # a former option -> what to write instead
+    moments_in_progress: ClassVar[bool] = False  # adascale_adam's default sets Adam's betas
 
     def __init__(self, *, scale: float, budget: float | None = None, smoothing: float | None = None,
                  **options: Any):
@@ -282,78 +279,90 @@ class Policy:
             if options.get(option) is None:
                 raise ValueError(f"policy {self.name!r} needs its {option}: {usage}")
         self._options = options
-        self._smoothing = smoothing
+        self._smoothing = check_smoothing(smoothing)
         self.budget = check_budget(budget)
-        self.estimator = GainEstimator(scale, smoothing=smoothing)
-        self.steps = 0
-        self.progress = 0.0
-        self.skipped = 0
-        self._applied: float | None = None  # the factor the latest step applied
+        self._scale = check_scale(scale)
+        self.state = PolicyState()
 
-    # What a subclass defines.
-    def factor(self) -> float:
-        """lr factor for the next step, from the state before it."""
+    # -- the rule: pure functions of the record and S (what a subclass defines) ----------------
+    def rule_factor(self, progress: float, scale: float, gain: float) -> float:
+        """The lr factor of a step at scale S taken from progress tau, with gain r."""
         raise NotImplementedError
 
-    def advance(self) -> float:
-        """How far tau moves for the step just taken."""
-        return self.scale
+    def advance(self, scale: float, gain: float) -> float:
+        """How far tau moves for a step at scale S with gain r (a fixed rule: S)."""
+        return scale
+
+    def rule_gain(self, state: PolicyState, scale: float) -> float:
+        """The gain a step at scale S applies, from the estimates in ``state``."""
+        return estimated_gain(state.estimator, scale)
+
+    def theta(self, scale: float) -> float:
+        """The EMA's theta for a step at scale S (default 0.999 ** S: ~1000 baseline batches)."""
+        return default_smoothing(scale) if self._smoothing is None else self._smoothing
 
     def check_optimizer(self, optimizer: str) -> None:
         """Raise ValueError when this policy has no theory for the optimizer (fixed rules: any)."""
 
-    # The shared step.
-    def step(self, sqnorm_sum=None, mean_sqnorm=None, n: int | None = None, *,
-             scale: float | None = None, max_factor: float | None = None) -> StepInfo:
-        """Account one optimizer step; statistics as in ``GainEstimator.update``.
+    def transition(self, state: PolicyState, sqnorm_sum=None, mean_sqnorm=None,
+                   n: int | None = None, *, scale: float,
+                   max_factor: float | None = None) -> tuple[PolicyState, StepInfo]:
+        """One optimizer step at scale S: the record after it and what it applies.
 
-        Returns the factor to apply to this step's lr. Raises ValueError (state untouched) on
-        statistics that are missing where the policy needs them, or bad.
-
-        ``scale``: this step's own S when it differs from the policy's, e.g. a short step with
-        fewer micro-batches than announced (S x n / n_announced): the gain, the factor and tau's
-        advance are this step's; the policy's S is the same afterwards.
-        ``max_factor``: a cap on the factor (``hvd_scale.guard``); tau advances as uncapped.
+        Statistics as in ``GainEstimator.update`` (None: nothing measured). ``max_factor``: a cap
+        on the factor (``hvd_scale.guard``); tau advances as uncapped. Raises ValueError (the
+        record is not replaced) on statistics missing where the policy needs them, or bad.
         """
+        scale = check_scale(scale)
         if max_factor is not None and not max_factor > 0:
             raise ValueError(f"max_factor must be > 0, got {max_factor!r}")
-        if scale is not None and check_scale(scale) != self.scale:
-            own = self.scale
-            self.estimator.rescale(scale)
-            try:
-                return self.step(sqnorm_sum, mean_sqnorm, n, max_factor=max_factor)
-            finally:
-                self.estimator.rescale(own)
         if n is not None and int(n) < 1:
             raise ValueError(f"n (micro-gradients in the step) must be >= 1, got {n!r}")
         # A fixed rule only logs the estimate, and n = 1 simply gives none.
         measurable = self.uses_statistics or n is None or int(n) >= 2
+        estimator = state.estimator
         if sqnorm_sum is not None and measurable:
-            self.estimator.update(sqnorm_sum, mean_sqnorm, n)
-        elif self.uses_statistics and self.scale > 1:
+            estimator = fold(estimator, sqnorm_sum, mean_sqnorm, n, scale, self.theta(scale))
+        elif self.uses_statistics and scale > 1:
             raise ValueError(f"policy {self.name!r} needs gradient statistics every step")
-        before = self.progress
-        factor = self._applied = _capped(self.factor(), max_factor)
-        self.progress = before + self.advance()
-        self.steps += 1
-        return StepInfo(self.steps, factor, before, self.progress, self.gain)
+        measured = dataclasses.replace(state, estimator=estimator)
+        gain = self.rule_gain(measured, scale)
+        factor = _capped(self.rule_factor(state.progress, scale, gain), max_factor)
+        progress = state.progress + self.advance(scale, gain)
+        after = dataclasses.replace(measured, steps=state.steps + 1, progress=progress,
+                                    lr_factor=factor)
+        return after, StepInfo(after.steps, factor, state.progress, progress, gain)
 
-    moments_in_progress: ClassVar[bool] = False  # adascale_adam's default sets Adam's betas
-
-    def second_moment_correction(self, beta2: float, steps: float) -> float:
-        """The bias correction of Adam's v after the framework's ``steps`` updates: 1 - beta2 **
-        steps (with adascale_adam's horizons in progress, 1 - beta2 ** tau)."""
-        return bias_correction(beta2, steps)
-
-    def moment_horizon(self, info: StepInfo) -> tuple[float, float]:
-        """For adascale_adam's horizons in progress: the gain r the betas follow in the step
-        ``info`` (beta -> beta^r) and the sum of those gains so far (the bias correction's
-        exponent before ``moment_progress``): (r, tau) by default."""
-        return info.gain, info.progress
+    # -- the record held, at the S the job runs at ----------------------------------------------
+    def step(self, sqnorm_sum=None, mean_sqnorm=None, n: int | None = None, *,
+             scale: float | None = None, max_factor: float | None = None) -> StepInfo:
+        """Account one optimizer step (``transition`` on the record held) and return what it
+        applies. ``scale``: this step's own S when it differs from the policy's, e.g. a short step
+        with fewer micro-batches than announced (S x n / n_announced); the policy's S stays."""
+        self.state, info = self.transition(self.state, sqnorm_sum, mean_sqnorm, n,
+                                           scale=self.scale if scale is None else scale,
+                                           max_factor=max_factor)
+        return info
 
     def skip(self) -> None:
         """Count a skipped step (non-finite gradients): nothing else changes."""
-        self.skipped += 1
+        self.state = dataclasses.replace(self.state, skipped=self.state.skipped + 1)
+
+    def rescale(self, new_scale: float) -> None:
+        """A new S (workers joined or left, k changed): the record is in baseline units and stays."""
+        self._scale = check_scale(new_scale)
+
+    def follow_workers(self, before: int, after: int) -> None:
+        """The job went from ``before`` to ``after`` workers (a Horovod elastic resize): S changes
+        in proportion, so a scale given for another baseline batch stays consistent."""
+        if after != before:
+            self.rescale(self.scale * after / before)
+
+    def with_state(self, state: PolicyState) -> "Policy":
+        """A shallow copy holding ``state`` (the configuration is shared, never changed)."""
+        other = copy.copy(self)
+        other.state = state
+        return other
 
     def done(self, budget: float | None = None) -> bool:
         """True once tau has reached the budget T (baseline steps)."""
@@ -362,17 +371,16 @@ class Policy:
             raise ValueError("done() needs a budget in baseline steps (none was given to the policy)")
         return self.progress >= budget
 
-    def rescale(self, new_scale: float) -> None:
-        """A new S (the world size changed): estimates and tau are in baseline units and stay."""
-        self.estimator.rescale(new_scale)
+    def second_moment_correction(self, beta2: float, steps: float) -> float:
+        """The bias correction of Adam's v after the framework's ``steps`` updates: 1 - beta2 **
+        steps (with adascale_adam's horizons in progress, 1 - beta2 ** tau)."""
+        return bias_correction(beta2, steps)
 
-    def follow_workers(self, before: int, after: int) -> None:
-        """The job went from ``before`` to ``after`` workers (a Horovod elastic resize): S changes
-        in proportion, so a scale given for another baseline batch stays consistent."""
-        if after != before:
-            self.rescale(self.scale * after / before)
+    # -- what can be read and logged ------------------------------------------------------------
+    steps = property(lambda self: self.state.steps, doc="optimizer steps applied")
+    progress = property(lambda self: self.state.progress, doc="tau, in baseline steps")
+    skipped = property(lambda self: self.state.skipped, doc="steps skipped (non-finite)")
 
-    # What can be read and logged.
     @property
     def spec(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.spec_options().items())
@@ -386,113 +394,77 @@ class Policy:
 
     @property
     def scale(self) -> float:
-        return self.estimator.scale
+        return self._scale
+
+    @property
+    def estimator(self) -> GainEstimator:
+        """The estimates at this S, as a ``GainEstimator`` (a view: changing it changes nothing)."""
+        view = GainEstimator(self._scale, smoothing=self._smoothing)
+        view.state = self.state.estimator
+        return view
 
     @property
     def gain(self) -> float:
-        return self.estimator.gain
+        """The gain a step at this S would apply (adascale_adam: capped), from the estimates."""
+        return self.rule_gain(self.state, self._scale)
+
+    def factor(self) -> float:
+        """The factor the next step would apply at this S (from the estimates so far)."""
+        return self.rule_factor(self.progress, self._scale, self.gain)
 
     @property
     def lr_factor(self) -> float:
         """The factor the latest step applied to the baseline lr (nan before any step);
         ``factor()`` is the one the next step would get."""
-        return math.nan if self._applied is None else self._applied
+        applied = self.state.lr_factor
+        return math.nan if applied is None else applied
 
     def metrics(self) -> dict[str, float]:
         """``hvd_scale.metrics.POLICY_METRICS`` as floats (Keras logs, CSV, TensorBoard).
-        ``lr_factor`` is the factor the latest step applied; ``factor()`` gives the next one."""
+        ``lr_factor`` is the factor the latest step applied; ``factor()`` gives the next one;
+        ``gain`` and ``efficiency`` are the gain a step applies (adascale_adam's capped) at S."""
         est = self.estimator
+        gain = self.gain
         values = {"step": float(self.steps), "progress": self.progress, "scale": self.scale,
-                  "gain": self.gain, "lr_factor": self.lr_factor, "sigma2": est.sigma2,
-                  "mu2": est.mu2, "noise_scale": est.noise_scale, "efficiency": est.efficiency,
+                  "gain": gain, "lr_factor": self.lr_factor, "sigma2": est.sigma2,
+                  "mu2": est.mu2, "noise_scale": est.noise_scale, "efficiency": gain / self.scale,
                   "skipped": float(self.skipped)}
         return {k: values[k] for k in POLICY_METRICS}
 
-    # Checkpoints.
+    # -- checkpoints (the forms and versions: ``hvd_scale.state``) ------------------------------
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "policy": self.spec, "steps": self.steps,
-                "progress": self.progress, "skipped": self.skipped, "lr_factor": self._applied,
-                "estimator": self.estimator.state_dict()}
+        return self.state.to_dict(spec=self.spec, scale=self._scale, smoothing=self._smoothing)
 
     def load_state_dict(self, d: Mapping) -> None:
         """Restore steps, tau and estimates. The scale stays this job's own (resize on resume).
 
-        The checkpoint must come from the same policy spec; nothing changes on any error.
-        Version 1 checkpoints (without ``lr_factor``) load as if no step had been applied yet;
-        an adascale_adam checkpoint of version <= 2 was saved by 'adascale_adam:moments=steps'.
+        The checkpoint must come from the same policy spec (older versions are migrated,
+        ``hvd_scale.state.migrate``); nothing changes on any error.
         """
-        if isinstance(d, Mapping) and d.get("version") == 1 and "lr_factor" not in d:
-            d = {**d, "version": 2, "lr_factor": None}
-        check_keys("policy state", d, _STATE_KEYS)
-        if d["version"] not in (2, 3, STATE_VERSION):
-            raise ValueError(f"policy state version {d['version']!r} is not supported "
-                             f"(expected {STATE_VERSION}, 3, 2 or 1)")
-        name, options = parse_spec(d["policy"])
-        if name == AdaScaleAdam.name and d["version"] <= 3:
-            # Saved before a default changed: spelled as the behaviour that saved it.
-            old = {"moments": "steps"} if d["version"] == 2 and "moments" not in options else \
-                {"max_gain": "inf"} if options.get("moments", "progress") == "progress" \
-                and "max_gain" not in options else {}
-            for option, value in old.items():
-                d = {**d, "policy": d["policy"] + (",", ":")[not options] + f"{option}={value}"}
-        if parse_spec(d["policy"]) != parse_spec(self.spec):
-            raise ValueError(f"checkpoint was saved by policy {d['policy']!r}, this job runs "
-                             f"{self.spec!r}; build the policy from the same spec to resume")
-        estimator = GainEstimator(self.scale)
-        estimator.load_state_dict(d["estimator"])
-        mine = self.estimator.state.sigma2_biased
-        theirs = estimator.state.sigma2_biased
-        if mine is not None and theirs is not None and mine.shape != theirs.shape:
-            raise ValueError(f"checkpoint has statistics for {theirs.size} parameter group(s), "
-                             f"this optimizer has {mine.size}")
-        estimator.rescale(self.scale)
-        steps, progress, skipped = int(d["steps"]), float(d["progress"]), int(d["skipped"])
-        applied = None if d["lr_factor"] is None else float(d["lr_factor"])
-        self.estimator = estimator
-        self.steps, self.progress, self.skipped, self._applied = steps, progress, skipped, applied
+        state = PolicyState.from_dict(d, spec=self.spec)
+        if None not in (self.state.groups, state.groups) and self.state.groups != state.groups:
+            raise ValueError(f"checkpoint has statistics for {state.groups} parameter group(s), "
+                             f"this optimizer has {self.state.groups}")
+        self.state = state
 
-    # The same state as one float64 vector, for frameworks that keep it in a variable of their
-    # own (Keras: an optimizer variable that checkpoints and broadcasts carry). The layout is
-    # the engine's: an adapter stores, broadcasts and returns the vector without reading it.
-    #   [steps, progress, skipped, lr_factor, updates, bias_weight, sigma2_biased[G], mu2_biased[G]]
-    # (lr_factor nan: no step applied yet)
-    # Counts are exact in float64 up to 2**53. Spec, scale and smoothing are configuration.
-    STEPS_INDEX = 0     # steps applied, which a framework may read inside its graph
-    PROGRESS_INDEX = 1  # tau, which a framework may read inside its graph (a schedule's step)
-    _HEAD = 6
+    # The record as one float64 vector, for frameworks that keep it in a variable of their own
+    # (Keras: an optimizer variable that checkpoints and broadcasts carry). The layout is the
+    # engine's (``hvd_scale.state``): an adapter stores, broadcasts and returns the vector
+    # without reading it, but for these two entries, which a framework may read in its graph.
+    STEPS_INDEX = STEPS_INDEX
+    PROGRESS_INDEX = PROGRESS_INDEX
 
-    @classmethod
-    def state_vector_size(cls, groups: int) -> int:
-        return cls._HEAD + 2 * groups
+    @staticmethod
+    def state_vector_size(groups: int) -> int:
+        return PolicyState.vector_size(groups)
 
     def state_vector(self, groups: int) -> np.ndarray:
-        """The state as ``state_vector_size(groups)`` floats (zeros for estimates not yet made)."""
-        est = self.estimator.state
-        if est.sigma2_biased is not None and est.sigma2_biased.size != groups:
-            raise ValueError(f"the state vector holds {groups} parameter group(s), the policy has "
-                             f"statistics for {est.sigma2_biased.size}")
-        zeros = np.zeros(groups)
-        return np.concatenate([
-            [self.steps, self.progress, self.skipped, self.lr_factor, est.updates, est.bias_weight],
-            zeros if est.sigma2_biased is None else est.sigma2_biased,
-            zeros if est.mu2_biased is None else est.mu2_biased]).astype(np.float64)
+        """The record as ``state_vector_size(groups)`` floats (zeros for estimates not yet made)."""
+        return self.state.to_vector(groups)
 
     def load_state_vector(self, vector, groups: int) -> None:
-        """Restore what ``state_vector`` saved (this policy's spec, scale and smoothing stay)."""
-        v = np.asarray(vector, dtype=np.float64)
-        if v.shape != (self.state_vector_size(groups),):
-            raise ValueError(f"a policy state vector for {groups} parameter group(s) holds "
-                             f"{self.state_vector_size(groups)} values, got shape {v.shape}")
-        steps, progress, skipped, lr_factor, updates, bias_weight = v[:self._HEAD].tolist()
-        measured = updates > 0
-        sigma2, mu2 = v[self._HEAD:self._HEAD + groups], v[self._HEAD + groups:]
-        d = self.state_dict()
-        d.update(steps=int(steps), progress=progress, skipped=int(skipped),
-                 lr_factor=None if math.isnan(lr_factor) else lr_factor)
-        d["estimator"].update(updates=int(updates), bias_weight=bias_weight,
-                              sigma2_biased=sigma2.tolist() if measured else None,
-                              mu2_biased=mu2.tolist() if measured else None)
-        self.load_state_dict(d)
+        """Hold the record ``state_vector`` saved (this policy's spec, scale and theta stay)."""
+        self.state = PolicyState.from_vector(vector, groups)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(spec={self.spec!r}, scale={self.scale:g}, " \
@@ -507,7 +479,7 @@ class NoScaling(Policy):
     name = "none"
     description = "lr unchanged at every scale (the baseline the other rules improve on)"
 
-    def factor(self) -> float:
+    def rule_factor(self, progress, scale, gain) -> float:
         return 1.0
 
 
@@ -515,16 +487,16 @@ class LinearScaling(Policy):
     name = "linear"
     description = "lr x S (Goyal et al.): the linear scaling rule"
 
-    def factor(self) -> float:
-        return self.scale
+    def rule_factor(self, progress, scale, gain) -> float:
+        return scale
 
 
 class SqrtScaling(Policy):
     name = "sqrt"
     description = "lr x sqrt(S): keeps the update's variance fixed"
 
-    def factor(self) -> float:
-        return math.sqrt(self.scale)
+    def rule_factor(self, progress, scale, gain) -> float:
+        return math.sqrt(scale)
 
 
 class FixedFactor(Policy):
@@ -534,7 +506,7 @@ class FixedFactor(Policy):
     options = {"factor": (_positive, "the lr factor (required)")}
     required = {"factor": "fixed:factor=F (F > 0)"}
 
-    def factor(self) -> float:
+    def rule_factor(self, progress, scale, gain) -> float:
         return self._options["factor"]
 
 
@@ -544,8 +516,8 @@ class PowerScaling(Policy):
     options = {"alpha": (_exponent, "the exponent in [0, 1] (required)")}
     required = {"alpha": "power:alpha=A (A in [0, 1])"}
 
-    def factor(self) -> float:
-        return self.scale ** self._options["alpha"]
+    def rule_factor(self, progress, scale, gain) -> float:
+        return scale ** self._options["alpha"]
 
 
 # The fixed rules a warm-up can ramp to: S -> the factor reached after the ramp.
@@ -560,21 +532,26 @@ FIXED_RULES: dict[str, Callable[..., float]] = {
 class WarmupScaling(Policy):
     name = "warmup"
     description = ("a fixed rule (linear by default: the paper's LSW) reached by a linear ramp "
-                   "from 1 over a span of optimizer steps (default: the first 5.5% of the run)")
+                   "from 1 over a span of progress (default: the first 5.5% of the run's budget)")
     options = {
-        "steps": (_positive_int, "ramp length in optimizer steps"),
-        "fraction": (_fraction, "ramp length as a fraction of the run's optimizer steps "
-                                "(budget / S); default 0.055"),
+        "baseline_steps": (_positive_int, "ramp length in baseline steps (progress tau); at a "
+                                          "constant S it lasts baseline_steps / S optimizer steps"),
+        "fraction": (_fraction, "ramp length as a fraction of the budget (baseline steps); "
+                                "default 0.055"),
         "rule": (_rule, "the rule ramped to: linear (default), sqrt, power, fixed"),
         "alpha": (_exponent, "the exponent, with rule=power"),
         "factor": (_positive, "the factor, with rule=fixed"),
     }
+    renamed = {"steps": "warm-up's steps= (optimizer steps) became baseline_steps= (the ramp "
+                        "in progress, so that a change of S does not move it): write "
+                        "baseline_steps=<steps x S>, e.g. steps=500 at S = 8 is "
+                        "baseline_steps=4000"}
     DEFAULT_FRACTION = 0.055  # the AdaScale paper's LSW baseline
 
-    def __init__(self, *, scale, budget=None, steps=None, fraction=None, rule=None, alpha=None,
-                 factor=None, **kw):
-        if steps is not None and fraction is not None:
-            raise ValueError("policy 'warmup' takes steps= or fraction=, not both")
+    def __init__(self, *, scale, budget=None, baseline_steps=None, fraction=None, rule=None,
+                 alpha=None, factor=None, **kw):
+        if baseline_steps is not None and fraction is not None:
+            raise ValueError("policy 'warmup' takes baseline_steps= or fraction=, not both")
         needs = {"power": "alpha", "fixed": "factor"}
         for option, value in (("alpha", alpha), ("factor", factor)):
             if value is not None and needs.get(rule) != option:
@@ -582,30 +559,34 @@ class WarmupScaling(Policy):
                                  f"{'power' if option == 'alpha' else 'fixed'}, got rule={rule}")
         if rule in needs and {"alpha": alpha, "factor": factor}[needs[rule]] is None:
             raise ValueError(f"policy 'warmup' with rule={rule} needs {needs[rule]}=")
-        if steps is None and fraction is None:
+        if baseline_steps is None and fraction is None:
             fraction = self.DEFAULT_FRACTION
-        options = {"steps": steps} if steps is not None else {"fraction": fraction}
+        options = {"baseline_steps": baseline_steps} if baseline_steps is not None \
+            else {"fraction": fraction}
         if fraction is not None and budget is None:
             raise ValueError(f"policy 'warmup' with fraction={fraction} needs the run's budget "
-                             "(baseline steps): pass budget=, or give warmup:steps=N")
+                             "(baseline steps): pass budget=, or give warmup:baseline_steps=N")
         extra = {k: v for k, v in (("rule", rule), ("alpha", alpha), ("factor", factor))
                  if v is not None and not (k == "rule" and v == "linear")}
         super().__init__(scale=scale, budget=budget, **options, **extra, **kw)
 
     @property
-    def span(self) -> int:
-        """Ramp length in optimizer steps (recomputed from the budget when S changes)."""
-        if "steps" in self._options:
-            return self._options["steps"]
-        return max(1, math.ceil(self._options["fraction"] * self.budget / self.scale))
+    def span(self) -> float:
+        """Ramp length in progress (baseline steps): the same at every S, so a change of S moves
+        neither the ramp's length nor where a run is on it."""
+        if "baseline_steps" in self._options:
+            return float(self._options["baseline_steps"])
+        return self._options["fraction"] * self.budget
 
-    @property
-    def target(self) -> float:
-        """The rule's factor at this S, reached at the end of the ramp."""
-        return FIXED_RULES[self._options.get("rule", "linear")](self.scale, **self._options)
+    def target(self, scale: float) -> float:
+        """The rule's factor at scale S, reached at the end of the ramp."""
+        return FIXED_RULES[self._options.get("rule", "linear")](scale, **self._options)
 
-    def factor(self) -> float:
-        return 1.0 + (self.target - 1.0) * min(1.0, self.steps / self.span)
+    def rule_factor(self, progress, scale, gain) -> float:
+        # 1 + (R(S) - 1) min(1, tau / span), tau before the step: the first step's factor is 1.
+        # At a constant S this is the ramp over span / S optimizer steps; at a change of S the
+        # position on the ramp stays, and the factor is the new S's rule at that position.
+        return 1.0 + (self.target(scale) - 1.0) * min(1.0, progress / self.span)
 
 
 class LEGW(Policy):
@@ -616,11 +597,14 @@ class LEGW(Policy):
                                         "at scale S it is S x steps")}
     required = {"steps": "legw:steps=N (the base warm-up, baseline steps)"}
 
-    def factor(self) -> float:
+    def rule_factor(self, progress, scale, gain) -> float:
         # sqrt(S) x min(1, tau / (S W)) with tau counted after this step, so the first step's lr
-        # is not 0 (AdaptDL counts it before).
-        ramp = (self.progress + self.scale) / (self.scale * self._options["steps"])
-        return math.sqrt(self.scale) * min(1.0, ramp)
+        # is not 0 (AdaptDL counts it before). The position is tau, but the ramp's length is
+        # S x W by the rule's definition: during the ramp the factor at a given tau is
+        # (tau + S) / (sqrt(S) W), so a larger S lowers it there (x 1 / sqrt(2) for S doubled)
+        # and a smaller S raises it; after the ramp it is sqrt(S) (tests/test_policies.py).
+        ramp = (progress + scale) / (scale * self._options["steps"])
+        return math.sqrt(scale) * min(1.0, ramp)
 
 
 class AdaScale(Policy):
@@ -629,11 +613,11 @@ class AdaScale(Policy):
     options = _SMOOTHING
     uses_statistics = True
 
-    def factor(self) -> float:
-        return self.gain
+    def rule_factor(self, progress, scale, gain) -> float:
+        return gain
 
-    def advance(self) -> float:
-        return self.gain
+    def advance(self, scale, gain) -> float:
+        return gain
 
     def check_optimizer(self, optimizer: str) -> None:
         family = optimizer_family(optimizer)
@@ -656,11 +640,12 @@ class AdaScaleAdam(AdaScale):
                            "set them (AdaptDL's AdamScale)"),
                "max_gain": (_at_least_one, "a cap on the gain r each step applies (lr x sqrt(r), "
                             "tau += r, betas^r); default 8 (moments=steps: none), inf: none"),
-               "horizon": (_choice(*HORIZONS), "current (default): the betas follow the gain this "
-                           "step applies; previous: the gain the previous step applied (torch; "
-                           "measured on B4 for comparison)"),
                "lr_power": (_exponent, "the lr factor r^p; default 0.5 (sqrt: Adam's SDE scaling "
                             "rule; other values measured on B4 for comparison)")}
+    renamed = {"horizon": "adascale_adam's horizon= was removed: B4 measured horizon=previous "
+                          "equal to the default, and it re-derived the previous step's gain at the "
+                          "current S (wrong after a rescale, a short step or a resume); the betas "
+                          "follow the gain each step applies"}
     statistics = "preconditioned"
     # The optimizers whose update hvd_scale.moments knows how to drive (NAdam's momentum decay and
     # RAdam's rectification are counted in steps).
@@ -670,9 +655,8 @@ class AdaScaleAdam(AdaScale):
     # at t = 1, g / sqrt(v_hat) is sign(g), +-1 in every coordinate, and for small t the ratio's
     # relative spread is about sqrt(2 / t) (Gaussian coordinates). Such heavy-tailed norms would
     # sit in the EMA for ~1000 baseline batches, so statistics count from this many steps on
-    # (spread ~0.3); the steps before are taken at gain 1: lr unscaled and tau += 1, which is
-    # conservative (never a larger lr than the baseline's; at most this many baseline steps of
-    # progress go uncounted).
+    # (spread ~0.3); the steps before are taken at gain 1: lr unscaled and tau += 1. Counted in
+    # optimizer steps, not progress: what it waits for is the number of squared gradients in v.
     MIN_ADAM_HISTORY = 20
 
     @property
@@ -686,45 +670,26 @@ class AdaScaleAdam(AdaScale):
             del opts["moments"]
         if opts.get("max_gain") == (self.DEFAULT_MAX_GAIN if self.moments_in_progress else math.inf):
             del opts["max_gain"]
-        for option, default in (("horizon", "current"), ("lr_power", 0.5)):
-            if opts.get(option) == default:
-                del opts[option]
+        if opts.get("lr_power") == 0.5:
+            del opts["lr_power"]
         return opts
 
     def second_moment_correction(self, beta2: float, steps: float) -> float:
-        # With horizons in progress the exponents applied so far add up to tau (and the
-        # framework's steps the policy did not account, as gain 1: ``moment_progress``).
+        # With horizons in progress the exponents applied so far (the gain of each step) add up
+        # to tau, plus the framework's steps the policy did not account, as gain 1
+        # (``moment_progress``).
         if not self.moments_in_progress:
             return bias_correction(beta2, steps)
-        exponent = self.progress
-        if self.horizon == "previous":  # r_0 = 1, r_1 ... r_{t-1}: 1 + tau - r_t
-            exponent = 1.0 + self.progress - self._applied_gain()
-        return bias_correction(beta2, moment_progress(exponent, self.steps, int(steps)))
-
-    # Which gain the betas follow. The current step's (default): the moments forget exactly the
-    # progress the step is credited with, and the exponents add up to tau. The previous step's
-    # (measured for comparison on B4, benchmarks/README.md): the betas of step t follow r_{t-1}
-    # (r_0 = 1), the exponents add up to 1 + tau_{t-1}. Both are derived from tau and the
-    # estimates, so a checkpoint needs nothing more.
-    @property
-    def horizon(self) -> str:
-        return self._options.get("horizon", "current")
-
-    def _applied_gain(self) -> float:
-        """The gain the latest step applied (1 for the unmeasured first steps, and before any)."""
-        return self.gain if self.steps > self.MIN_ADAM_HISTORY else 1.0
-
-    def moment_horizon(self, info: StepInfo) -> tuple[float, float]:
-        if self.horizon == "previous":
-            return self._previous_gain, 1.0 + info.progress_before
-        return info.gain, info.progress
+        return bias_correction(beta2, moment_progress(self.progress, self.steps, int(steps)))
 
     # The gain a step applies is capped (``max_gain``): measured on B4 (benchmarks/README.md), at
     # S = 128 the gain climbs to the 50s late in the schedule, where beta1^r = 0.9^50 leaves Adam
     # no first-moment averaging and beta2^r a second moment of a few steps, and BLEU fell 5 short
     # of S = 1; capped at 8 (the largest mean gain measured to hold BLEU, S = 32's 8.3) it holds.
-    # A capped step is a conservative one: lr x sqrt(8) and tau += 8 where more was measured.
-    # With the betas left alone (moments=steps, AdaptDL's) there is no horizon to keep: no cap.
+    # A capped step applies lr x sqrt(8), tau += 8 and betas^8 where more was measured; Adam's v,
+    # though, shrinks by the measured gain, so per unit of tau credited it drifts sqrt(r / 8)
+    # times the baseline's (README: what the cap does). With the betas left alone
+    # (moments=steps, AdaptDL's) there is no horizon to keep: no cap.
     DEFAULT_MAX_GAIN = 8.0
 
     @property
@@ -732,27 +697,31 @@ class AdaScaleAdam(AdaScale):
         default = self.DEFAULT_MAX_GAIN if self.moments_in_progress else math.inf
         return self._options.get("max_gain", default)
 
+    def rule_gain(self, state: PolicyState, scale: float) -> float:
+        """The measured gain capped at ``max_gain``, and 1 while Adam's v has too little history
+        (``MIN_ADAM_HISTORY``): the r a step applies."""
+        if state.steps < self.MIN_ADAM_HISTORY:
+            return 1.0
+        return min(estimated_gain(state.estimator, scale), self.max_gain)
+
     @property
     def gain(self) -> float:
-        """The measured gain, capped at ``max_gain``: the r every step applies."""
-        return min(self.estimator.gain, self.max_gain)
+        """The gain the next step would apply: measured, capped (1 during the warm-in)."""
+        return self.rule_gain(self.state, self.scale)
 
-    def factor(self) -> float:
+    def rule_factor(self, progress, scale, gain) -> float:
         power = self._options.get("lr_power", 0.5)
-        return math.sqrt(self.gain) if power == 0.5 else self.gain ** power
+        return math.sqrt(gain) if power == 0.5 else gain ** power
 
-    def step(self, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale=None,
-             max_factor=None) -> StepInfo:
-        self._previous_gain = self._applied_gain()
-        if self.steps >= self.MIN_ADAM_HISTORY:
-            return super().step(sqnorm_sum, mean_sqnorm, n, scale=scale, max_factor=max_factor)
-        # Bad statistics fail as in a measured step (on a copy: the estimates stay untouched).
-        super(AdaScaleAdam, copy.deepcopy(self)).step(sqnorm_sum, mean_sqnorm, n, scale=scale,
-                                                      max_factor=max_factor)
-        before = self.progress
-        self._applied, self.progress = _capped(1.0, max_factor), before + 1.0
-        self.steps += 1
-        return StepInfo(self.steps, self._applied, before, self.progress, 1.0)
+    def transition(self, state, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale,
+                   max_factor=None):
+        if state.steps >= self.MIN_ADAM_HISTORY:
+            return super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
+                                      max_factor=max_factor)
+        # The warm-in: bad statistics fail as in a measured step; the estimates stay untouched.
+        after, info = super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
+                                         max_factor=max_factor)
+        return dataclasses.replace(after, estimator=state.estimator), info
 
     def check_optimizer(self, optimizer: str) -> None:
         if optimizer_family(optimizer) != "adam":

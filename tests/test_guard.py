@@ -66,7 +66,7 @@ def test_guard_schedule_cap_and_state():
     assert restored.state_dict() == guard.state_dict()  # a bad state changed nothing
 
 
-@pytest.mark.parametrize("spec", ["linear", "warmup:steps=4", "adascale", "adascale_adam"])
+@pytest.mark.parametrize("spec", ["linear", "warmup:baseline_steps=32", "adascale", "adascale_adam"])
 def test_the_cap_lowers_the_applied_factor_not_progress(spec):
     free, capped = make_policy(spec, scale=8), make_policy(spec, scale=8)
     rng = np.random.default_rng(0)

@@ -87,7 +87,7 @@ def test_each_policy_applies_its_factor(results):
     assert s == NP
     pol = r0["policies"]
     expected = {"none": [1, 1, 1], "linear": [s] * 3, "sqrt": [math.sqrt(s)] * 3,
-                "warmup:steps=2": [1, 1 + (s - 1) / 2, s]}
+                "warmup:baseline_steps=4": [1, 1 + (s - 1) / 2, s]}
     for spec, factors in expected.items():
         assert pol[spec]["factors"] == pytest.approx(factors, rel=1e-6), spec
         assert pol[spec]["lrs"] == pytest.approx([LR] * 3, rel=1e-7), spec
@@ -223,10 +223,10 @@ def test_bad_arguments_error_on_every_rank(results):
         assert e["unknown"] and "'adascalle'" in e["unknown"] and "adascale" in e["unknown"]
         assert e["bad_optimizer"] and "'Adam'" in e["bad_optimizer"] and "adascale_adam" in e["bad_optimizer"]
         assert e["keras_accumulation"] and "backward_passes_per_step" in e["keras_accumulation"]
-        # Issue #24: k cannot change under Keras's traced step; #21's comparison option is torch's.
+        # Issue #24: k cannot change under Keras's traced step; #21's comparison option is gone (#30).
         assert e["adapt"] and "adapt='goodput'" in e["adapt"] and "torch" in e["adapt"]
         assert e["adapt_none"] is None  # adapt=None, the torch default, is accepted
-        assert e["horizon_previous"] and "torch adapter only" in e["horizon_previous"]
+        assert e["horizon_previous"] and "horizon= was removed" in e["horizon_previous"]
         assert "different policies" in e["differ"] and "'sqrt'" in e["differ"]
         assert "rank 1" in e["one_bad"] and "'x'" in e["one_bad"]
         assert "DistributedOptimizer" in e["elastic_plain_optimizer"] and "SGD" in e["elastic_plain_optimizer"]

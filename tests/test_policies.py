@@ -25,10 +25,10 @@ BUDGET = 1000.0
 # The practitioners' rules need their constant.
 REQUIRED = {"fixed": "fixed:factor=5", "power": "power:alpha=0.7", "legw": "legw:steps=10"}
 SPECS = {name: REQUIRED.get(name, name) for name in available_policies()}
-ALL_SPECS = sorted(set(SPECS.values()) | {"warmup:steps=3", "warmup:fraction=0.2",
-                                          "warmup:rule=sqrt,steps=4",
-                                          "warmup:rule=power,alpha=0.5,steps=4",
-                                          "warmup:rule=fixed,factor=5,steps=4",
+ALL_SPECS = sorted(set(SPECS.values()) | {"warmup:baseline_steps=3", "warmup:fraction=0.2",
+                                          "warmup:rule=sqrt,baseline_steps=4",
+                                          "warmup:rule=power,alpha=0.5,baseline_steps=4",
+                                          "warmup:rule=fixed,factor=5,baseline_steps=4",
                                           "adascale:smoothing=0.5", "adascale_adam:smoothing=0.9"})
 
 
@@ -141,11 +141,11 @@ def test_rescale_keeps_progress_and_estimates(spec, scale, new_scale, data):
         "adascale_adam": math.sqrt(min(gain, getattr(policy, "max_gain", math.inf))),
     }
     if name == "warmup":
-        span = policy.span
+        span = policy.span  # in baseline steps: the position on the ramp is tau, kept
         rule = options.get("rule", "linear")
         target = promised["fixed"] if rule == "fixed" else (
             new_scale ** options["alpha"] if rule == "power" else promised[rule])
-        want = 1.0 + (target - 1.0) * min(1.0, steps / span)
+        want = 1.0 + (target - 1.0) * min(1.0, tau / span)
         assert policy.factor() == pytest.approx(want, rel=1e-15)
     else:
         assert policy.factor() == promised[name]
@@ -182,11 +182,31 @@ def test_follow_workers_scales_s_in_proportion_and_keeps_progress():
     assert policy.scale == 8
 
 
-def test_warmup_fraction_span_follows_scale_on_rescale():
+def test_warmup_span_is_progress_and_a_rescale_keeps_the_position_on_the_ramp():
+    """#30 item 2: the ramp counted optimizer steps while its length followed S, so a rescale
+    jumped along it (S 4 -> 8 at tau = 20: factor 2.07 -> 6.00). Now the span is 10% of the
+    budget in tau at every S, and a rescale keeps where the run is on the ramp."""
     policy = make_policy("warmup:fraction=0.1", scale=4, budget=1000)
-    assert policy.span == 25  # 10% of 1000 baseline steps = 100 / 4 optimizer steps
-    policy.rescale(10)
-    assert policy.span == 10
+    assert policy.span == 100.0  # 10% of 1000 baseline steps, at any S
+    for _ in range(5):
+        policy.step()
+    assert policy.progress == 20.0
+    assert policy.factor() == pytest.approx(1 + 3 * 20 / 100)  # S = 4's rule at 20% of the ramp
+    policy.rescale(8)
+    assert policy.span == 100.0
+    # S = 8's rule at the same position: a run started at S = 8 has this factor at tau = 24 (its
+    # step from 16) and 2.12 at tau = 16, so 2.4 at tau = 20 lies on its ramp.
+    assert policy.factor() == pytest.approx(1 + 7 * 20 / 100)
+    fresh = make_policy("warmup:fraction=0.1", scale=8, budget=1000)
+    fresh.step(), fresh.step()
+    below, above = fresh.factor(), fresh.step() and fresh.factor()
+    assert below < policy.factor() < above
+    # And back down: 8 -> 4 at tau = 40 rewinds nothing (old: 5.0 -> 2.07).
+    for _ in range(3):
+        policy.step()
+    assert policy.progress == 44.0
+    policy.rescale(4)
+    assert policy.factor() == pytest.approx(1 + 3 * 44 / 100)
 
 
 def test_rescale_to_bad_scale_leaves_policy():
@@ -221,22 +241,23 @@ def test_fixed_rule_factor_and_progress(name, promised, scale, with_stats):
 
 
 def test_warmup_ramp_by_hand():
-    # S = 5 over 4 steps: 1, 2, 3, 4, then 5 for ever.
-    policy = make_policy("warmup:steps=4", scale=5)
+    # S = 5 over 20 baseline steps (4 steps): 1, 2, 3, 4, then 5 for ever.
+    policy = make_policy("warmup:baseline_steps=20", scale=5)
     factors = [policy.step().lr_factor for _ in range(8)]
     assert factors == [1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0]
     assert policy.progress == 8 * 5
 
 
 def test_warmup_default_fraction_is_lsw():
-    # 5.5% of 1000 baseline steps at S = 1 is 55 steps; at S = 4, ceil(55 / 4) = 14 steps.
-    assert make_policy("warmup", scale=1, budget=1000).span == 55
+    # 5.5% of 1000 baseline steps is 55 at every S; at S = 4 the ramp is reached at tau = 56
+    # (the 15th step starts there), rising 3 x 4 / 55 a step.
+    assert make_policy("warmup", scale=1, budget=1000).span == pytest.approx(55)
     policy = make_policy("warmup", scale=4, budget=1000)
-    assert policy.span == 14
+    assert policy.span == pytest.approx(55)
     factors = [policy.step().lr_factor for _ in range(20)]
     assert factors[0] == 1.0
     assert all(b > a for a, b in zip(factors[:14], factors[1:15]))
-    np.testing.assert_allclose(np.diff(factors[:15]), 3.0 / 14, rtol=1e-12)
+    np.testing.assert_allclose(np.diff(factors[:14]), 3.0 * 4 / 55, rtol=1e-9)
     assert factors[14:] == [4.0] * 6
     assert policy.progress == 20 * 4
 
@@ -244,10 +265,10 @@ def test_warmup_default_fraction_is_lsw():
 @SETTINGS
 @given(scale=scales, span=st.integers(1, 50), steps=st.integers(1, 120))
 def test_warmup_ramp_property(scale, span, steps):
-    policy = make_policy(f"warmup:steps={span}", scale=scale)
+    policy = make_policy(f"warmup:baseline_steps={span}", scale=scale)
     for k in range(steps):
         info = policy.step()
-        want = scale if k >= span else 1.0 + (scale - 1.0) * k / span
+        want = 1.0 + (scale - 1.0) * min(1.0, k * scale / span)
         assert info.lr_factor == pytest.approx(want, rel=1e-12)
         assert 1.0 <= info.lr_factor <= scale
         assert info.progress == pytest.approx((k + 1) * scale, rel=1e-12)
@@ -365,7 +386,7 @@ def test_adascale_adam_accepts_adam_family_only():
         make_policy("adascale_adam", scale=4, optimizer="SGD")
 
 
-@pytest.mark.parametrize("spec", ["none", "linear", "sqrt", "warmup:steps=5"])
+@pytest.mark.parametrize("spec", ["none", "linear", "sqrt", "warmup:baseline_steps=5"])
 def test_fixed_rules_accept_any_optimizer(spec):
     for opt in ("SGD", "Adam", "RMSprop"):
         assert make_policy(spec, scale=4, optimizer=opt).name == parse_spec(spec)[0]
@@ -376,7 +397,7 @@ def test_policy_from_environment(monkeypatch):
     assert hvd_scale.POLICY_ENV == "HVD_SCALE_POLICY"
     policy = make_policy(scale=4)
     assert policy.name == "sqrt" and policy.factor() == 2.0
-    monkeypatch.setenv("HVD_SCALE_POLICY", "warmup:steps=7")
+    monkeypatch.setenv("HVD_SCALE_POLICY", "warmup:baseline_steps=7")
     policy = make_policy(None, scale=4)
     assert policy.name == "warmup" and policy.span == 7
     # An explicit spec wins over the environment.
@@ -389,9 +410,9 @@ def test_policy_from_environment(monkeypatch):
 
 
 def test_spec_parsing_normalises():
-    assert parse_spec(" Warmup : steps = 10 ") == ("warmup", {"steps": 10})
+    assert parse_spec(" Warmup : baseline_steps = 10 ") == ("warmup", {"baseline_steps": 10})
     assert parse_spec("adascale-adam:smoothing=0.9") == ("adascale_adam", {"smoothing": 0.9})
-    assert make_policy("warmup:steps=10", scale=2).spec == "warmup:steps=10"
+    assert make_policy("warmup:baseline_steps=10", scale=2).spec == "warmup:baseline_steps=10"
 
 
 def test_metrics_are_floats():
@@ -414,11 +435,11 @@ def test_metrics_are_floats():
     ("adascale:smoothing", r"'smoothing'.*needs a value"),
     ("adascale:smoothing=1.5", r"smoothing='1\.5'"),
     ("adascale:smoothing=abc", r"smoothing='abc'"),
-    ("warmup:steps=-3", r"steps='-3'"),
-    ("warmup:steps=2.5", r"steps='2\.5'"),
+    ("warmup:baseline_steps=-3", r"steps='-3'"),
+    ("warmup:baseline_steps=2.5", r"steps='2\.5'"),
     ("warmup:fraction=0", r"fraction='0'"),
     ("warmup:fraction=1.5", r"fraction='1\.5'"),
-    ("warmup:steps=5,fraction=0.1", r"steps= or fraction="),
+    ("warmup:baseline_steps=5,fraction=0.1", r"steps= or fraction="),
     ("warmup", r"fraction=0\.055.*budget"),
     ("warmup:fraction=0.2", r"fraction=0\.2.*budget"),
 ])
@@ -494,7 +515,7 @@ def test_fixed_rule_with_one_micro_gradient_only_skips_the_estimate():
 
 @pytest.mark.parametrize("spec, other", [
     ("adascale", "linear"), ("linear", "adascale"), ("adascale", "adascale:smoothing=0.5"),
-    ("warmup:steps=3", "warmup:steps=4"), ("adascale_adam", "adascale"), ("sqrt", "none"),
+    ("warmup:baseline_steps=3", "warmup:baseline_steps=4"), ("adascale_adam", "adascale"), ("sqrt", "none"),
 ])
 def test_load_state_from_another_policy_raises(spec, other):
     policy = trained(spec)
@@ -528,7 +549,7 @@ STATE_MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("spec", ["adascale", "linear", "warmup:steps=3"])
+@pytest.mark.parametrize("spec", ["adascale", "linear", "warmup:baseline_steps=3"])
 @pytest.mark.parametrize("mutate, pattern", STATE_MUTATIONS)
 def test_load_bad_state_raises_and_leaves_policy(spec, mutate, pattern):
     policy = trained(spec)
@@ -642,9 +663,9 @@ def test_practitioners_rules_by_hand():
     assert [make_policy("fixed:factor=5", scale=8).step().lr_factor for _ in range(2)] == [5, 5]
     assert make_policy("power:alpha=0.5", scale=16).step().lr_factor == 4.0
     assert make_policy("power:alpha=1", scale=16).step().lr_factor == 16.0
-    sqrt_warm = make_policy("warmup:rule=sqrt,steps=4", scale=16)
+    sqrt_warm = make_policy("warmup:rule=sqrt,baseline_steps=64", scale=16)  # 4 steps at S = 16
     assert [sqrt_warm.step().lr_factor for _ in range(6)] == [1.0, 1.75, 2.5, 3.25, 4.0, 4.0]
-    fixed_warm = make_policy("warmup:rule=fixed,factor=5,steps=2", scale=8)
+    fixed_warm = make_policy("warmup:rule=fixed,factor=5,baseline_steps=16", scale=8)
     assert [fixed_warm.step().lr_factor for _ in range(3)] == [1.0, 3.0, 5.0]
     # LEGW at S = 4 with a base warm-up of 2 baseline steps: sqrt(4) after 8 baseline steps.
     legw = make_policy("legw:steps=2", scale=4)
@@ -659,10 +680,10 @@ def test_practitioners_rules_by_hand():
     ("fixed:factor=0", r"factor='0'.*> 0"),
     ("power", r"power:alpha=A"),
     ("power:alpha=1.5", r"alpha='1.5'.*\[0, 1\]"),
-    ("warmup:rule=cubic,steps=3", r"rule='cubic'.*\['fixed', 'linear', 'power', 'sqrt'\]"),
-    ("warmup:rule=power,steps=3", r"rule=power needs alpha="),
-    ("warmup:alpha=0.5,steps=3", r"alpha= goes with rule=power"),
-    ("warmup:rule=sqrt,factor=2,steps=3", r"factor= goes with rule=fixed"),
+    ("warmup:rule=cubic,baseline_steps=3", r"rule='cubic'.*\['fixed', 'linear', 'power', 'sqrt'\]"),
+    ("warmup:rule=power,baseline_steps=3", r"rule=power needs alpha="),
+    ("warmup:alpha=0.5,baseline_steps=3", r"alpha= goes with rule=power"),
+    ("warmup:rule=sqrt,factor=2,baseline_steps=3", r"factor= goes with rule=fixed"),
     ("legw", r"legw:steps=N"),
 ])
 def test_practitioners_rules_refuse_bad_specs(spec, pattern):
@@ -671,4 +692,11 @@ def test_practitioners_rules_refuse_bad_specs(spec, pattern):
 
 
 def test_warmup_rule_linear_is_the_plain_warmup():
-    assert make_policy("warmup:rule=linear,steps=3", scale=4).spec == "warmup:steps=3"
+    assert make_policy("warmup:rule=linear,baseline_steps=3", scale=4).spec == "warmup:baseline_steps=3"
+
+
+def test_warmup_steps_in_optimizer_steps_is_refused_with_the_new_spelling():
+    """#30 item 2: warmup:steps=N counted optimizer steps; read as baseline steps it would
+    silently shorten a ramp S-fold, so the old option is refused, naming the conversion."""
+    with pytest.raises(ValueError, match=r"'warmup:steps=500'.*baseline_steps=<steps x S>"):
+        make_policy("warmup:steps=500", scale=8)

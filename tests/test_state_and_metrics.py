@@ -70,7 +70,7 @@ def test_version_1_checkpoint_still_loads():
 
 def test_lr_factor_is_the_applied_one_everywhere():
     # warmup changes its factor every step: the applied one and the next one differ.
-    policy = make_policy("warmup:steps=4", scale=5)
+    policy = make_policy("warmup:baseline_steps=20", scale=5)
     assert math.isnan(policy.lr_factor) and policy.factor() == 1.0
     info = policy.step()
     assert policy.lr_factor == info.lr_factor == 1.0 == policy.metrics()["lr_factor"]
@@ -120,7 +120,7 @@ def test_step_vector_layout_and_unscaling():
         unpack_step(vector[:4], groups)
 
 
-@pytest.mark.parametrize("spec", ["adascale", "linear", "warmup:steps=4"])
+@pytest.mark.parametrize("spec", ["adascale", "linear", "warmup:baseline_steps=8"])
 def test_a_step_at_its_own_scale_leaves_the_policys_scale(spec):
     short, ref = build(spec, 8.0), build(spec, 2.0)
     info = short.step([8.0], [1.25], 2, scale=2.0)  # 2 of 8 micro-batches

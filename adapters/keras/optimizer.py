@@ -22,7 +22,6 @@ operation in ``hvd_scale.adapters.core``. What this module does:
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from typing import Any
@@ -35,6 +34,7 @@ from hvd_scale.adapters import environment
 from hvd_scale.adapters.core import PLAN, USER_SETTINGS, Readout, Scaling, precondition, run_step
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
+from hvd_scale.state import PolicyState
 
 from . import backends
 
@@ -146,11 +146,6 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                 not all(hasattr(owner, a) for a in _ADAM_SLOTS):
             raise ValueError(f"policy {scaling.policy.name!r} measures Adam-preconditioned "
                              f"gradients, but {optimizer_name} has no second moment (beta_2, epsilon)")
-        if getattr(scaling.policy, "horizon", "current") != "current":
-            # The traced statistics take the bias correction's exponent as tau (state[_PROGRESS]).
-            raise ValueError(f"policy {scaling.policy.spec!r}: horizon="
-                             f"{scaling.policy.horizon} is supported by the torch adapter only; "
-                             "use the default (horizon=current) with Keras")
 
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
@@ -315,9 +310,10 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     def _host_step(self, fn, measured, state, statistics, finite, user_settings, loss_scale):
         """The host side of ``on_host``, in numpy: the policy from the state variable, ``fn``,
         and the new state with the plan."""
-        self.scaling.policy.load_state_vector(np.asarray(state, dtype=np.float64), GROUPS)
+        policy = self.scaling.policy
+        policy.state = PolicyState.from_vector(state, GROUPS)
         plan = fn(statistics if measured else None, bool(finite), user_settings, float(loss_scale))
-        return self.scaling.policy.state_vector(GROUPS), np.asarray(plan, dtype=np.float64)
+        return policy.state.to_vector(GROUPS), np.asarray(plan, dtype=np.float64)
 
     def apply_step(self, plan, closure=None):
         """inner.apply with the plan's lr (and, for adascale_adam, the step's beta_1, beta_2,
@@ -404,10 +400,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     def policy(self) -> Policy:
         """The engine's policy as ``hvd_scale_state`` holds it (read it eagerly): a new object
         each read, so reading changes nothing; before the first build, the initial policy."""
-        policy = copy.deepcopy(self.scaling.policy)
+        policy = self.scaling.policy
         if self.built and self._backend.eager():
-            policy.load_state_vector(ops.convert_to_numpy(self._state.value), GROUPS)
-        return policy
+            return policy.with_state(PolicyState.from_vector(
+                ops.convert_to_numpy(self._state.value), GROUPS))
+        return policy.with_state(policy.state)
 
     # -- forwarded to the inner optimizer ---------------------------------------------------------
     @property

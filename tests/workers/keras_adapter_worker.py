@@ -156,7 +156,7 @@ def case_dtypes():
 def case_policies():
     """Each policy's factor is what the weights moved by; the user's lr comes back."""
     out = {}
-    for spec in ["none", "linear", "sqrt", "warmup:steps=2", "adascale"]:
+    for spec in ["none", "linear", "sqrt", "warmup:baseline_steps=4", "adascale"]:
         model = make_model()
         opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy=spec)
         factors, lrs = [], []

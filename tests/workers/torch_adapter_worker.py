@@ -126,8 +126,8 @@ def case_reference(k, divide_loss):
 def case_policies():
     """Each policy's factor is what the parameters moved by; the user's lr comes back."""
     out = {}
-    for spec in ["none", "linear", "sqrt", "warmup:steps=2", "adascale", "power:alpha=0.7",
-                 "fixed:factor=3", "warmup:rule=sqrt,steps=2", "legw:steps=2"]:
+    for spec in ["none", "linear", "sqrt", "warmup:baseline_steps=4", "adascale", "power:alpha=0.7",
+                 "fixed:factor=3", "warmup:rule=sqrt,baseline_steps=4", "legw:steps=2"]:
         model = make_model()
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
                                    named_parameters=model.named_parameters(), policy=spec)
@@ -355,12 +355,10 @@ def case_adam_horizons():
     k, size, lr, betas, eps = 2, hvd.size(), 0.01, (0.9, 0.98), 1e-6
     out = {}
     # "capped": a cap below the gains measured here (S = 4), so it binds (issue #21's cap);
-    # "previous" and "power": #21's measured alternatives (the betas follow the previous step's
-    # gain; lr x r^0.75), each a path to the lr of its own.
+    # "power": #21's measured alternative (lr x r^0.75), a path to the lr of its own.
     for label, kind, wd, spec in (("Adam", "Adam", 0.0, "adascale_adam"),
                                   ("AdamW", "AdamW", 0.05, "adascale_adam"),
                                   ("capped", "Adam", 0.0, "adascale_adam:max_gain=1.5"),
-                                  ("previous", "Adam", 0.0, "adascale_adam:horizon=previous"),
                                   ("power", "Adam", 0.0, "adascale_adam:lr_power=0.75")):
         model = make_model()
         inner = getattr(torch.optim, kind)(model.parameters(), lr=lr, betas=betas, eps=eps,
@@ -381,11 +379,7 @@ def case_adam_horizons():
             info = opt.scaling.last_step
             r, tau = info.gain, info.progress
             # The gain the betas and eps follow, and the bias correction's exponent.
-            if label == "previous":  # r_{t-1} (r_0 = 1), 1 + tau_{t-1}
-                horizon = rows[-1]["gain"] if rows else 1.0
-                exponent = 1.0 + (rows[-1]["progress"] if rows else 0.0)
-            else:
-                horizon, exponent = r, tau + offset
+            horizon, exponent = r, tau + offset
             grads = []
             for rank in range(size):
                 for j in range(k):
