@@ -201,6 +201,9 @@ class Scaling:
             stability_limit(1.0, optimizer=optimizer_name)  # an optimizer it has no limit for: now
         self.guard = guard
         self.passes = check_passes(passes)
+        # adapt='goodput' never goes below the k the job started with: the baseline batch may be
+        # several micro-batches (scale=), and fewer micro-gradients may measure no variance.
+        self.min_passes = self.passes
         self.adapt, self.max_passes, self.adapt_every = check_adapt(adapt, max_passes, adapt_every,
                                                                     self.passes, measure)
         if self.adapt is not None:
@@ -466,7 +469,8 @@ class Scaling:
         unit = self.policy.scale / (self._world_size * self.passes)
         return goodput.choose_passes(model, estimator.sigma2, estimator.mu2, current=self.passes,
                                      max_passes=self.max_passes, micro_batch=1.0,
-                                     base_batch=1.0 / unit,
+                                     base_batch=1.0 / unit, min_passes=min(self.min_passes,
+                                                                           self.passes),
                                      max_gain=getattr(self.policy, "max_gain", math.inf),
                                      hysteresis=ADAPT_HYSTERESIS)
 

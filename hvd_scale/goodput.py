@@ -113,8 +113,11 @@ def fit_step_time(passes: Sequence[float], micro_batch: Sequence[float], compute
 
 def gain_at(sigma2: float, mu2: float, scale: float, max_gain: float = math.inf) -> float:
     """r(S) from the current estimates (``estimate.gain_ratio``), capped at ``max_gain``; 1
-    before any estimate (nan)."""
-    if math.isnan(sigma2) or math.isnan(mu2) or scale <= 1.0:
+    before any estimate (nan). S < 1 (a batch below the baseline) has no gain: ValueError."""
+    if not scale >= 1.0:
+        raise ValueError(f"the gain is defined for S >= 1 (the baseline batch or more), got S = "
+                         f"{scale!r}")
+    if math.isnan(sigma2) or math.isnan(mu2) or scale == 1.0:
         return 1.0
     return min(gain_ratio(sigma2, mu2, scale), max_gain)
 
@@ -151,13 +154,24 @@ def evaluate(model: StepTimeModel, sigma2: float, mu2: float, *, workers: int, p
                      gain / seconds if seconds > 0 else math.inf)
 
 
+def runnable(workers: int, passes: int, micro_batch: float, base_batch: float) -> bool:
+    """A configuration a policy can run: S >= 1 (no policy is defined below the baseline batch:
+    the lr would shrink and tau fall behind the data), and at S > 1 two micro-gradients or more,
+    the fewest that measure a variance (AdaptDL too never goes below the initial batch and keeps
+    two micro-batches or more at one replica)."""
+    scale = workers * passes * micro_batch / base_batch
+    return scale >= 1.0 and (scale == 1.0 or workers * passes >= 2)
+
+
 def candidates(model: StepTimeModel, sigma2: float, mu2: float, *, workers: Iterable[int],
                passes: Iterable[int], micro_batches: Iterable[float], base_batch: float,
                max_gain: float = math.inf) -> list[Candidate]:
-    """Every configuration of the grid, evaluated (in the grid's order)."""
+    """Every configuration of the grid that can run (``runnable``), evaluated (in the grid's
+    order)."""
     return [evaluate(model, sigma2, mu2, workers=w, passes=k, micro_batch=m, base_batch=base_batch,
                      max_gain=max_gain)
-            for w, k, m in itertools.product(workers, passes, micro_batches)]
+            for w, k, m in itertools.product(workers, passes, micro_batches)
+            if runnable(w, k, m, base_batch)]
 
 
 def best(options: Sequence[Candidate]) -> Candidate:
@@ -169,14 +183,21 @@ def best(options: Sequence[Candidate]) -> Candidate:
 
 def choose_passes(model: StepTimeModel, sigma2: float, mu2: float, *, current: int,
                   max_passes: int, micro_batch: float, base_batch: float,
-                  max_gain: float = math.inf, hysteresis: float = 0.05) -> int:
-    """The k in [1, max_passes] of largest goodput at the model's W and m, keeping ``current``
-    unless the best predicts ``hysteresis`` (a fraction) more goodput than it (the estimates and
-    timings are noisy: without it k would flap between near-equal choices)."""
-    if not 1 <= current <= max_passes:
-        raise ValueError(f"current passes {current!r} must be in [1, max_passes = {max_passes}]")
-    grid = candidates(model, sigma2, mu2, workers=[model.workers], passes=range(1, max_passes + 1),
-                      micro_batches=[micro_batch], base_batch=base_batch, max_gain=max_gain)
+                  max_gain: float = math.inf, hysteresis: float = 0.05,
+                  min_passes: int = 1) -> int:
+    """The k in [min_passes, max_passes] of largest goodput at the model's W and m among those
+    that can run (``runnable``), keeping ``current`` unless the best predicts ``hysteresis`` (a
+    fraction) more goodput than it (the estimates and timings are noisy: without it k would flap
+    between near-equal choices)."""
+    if not 1 <= min_passes <= current <= max_passes:
+        raise ValueError(f"current passes {current!r} must be in [min_passes = {min_passes}, "
+                         f"max_passes = {max_passes}]")
+    grid = candidates(model, sigma2, mu2, workers=[model.workers],
+                      passes=range(min_passes, max_passes + 1), micro_batches=[micro_batch],
+                      base_batch=base_batch, max_gain=max_gain)
+    now = evaluate(model, sigma2, mu2, workers=model.workers, passes=current,
+                   micro_batch=micro_batch, base_batch=base_batch, max_gain=max_gain)
+    if not grid:
+        return current
     top = best(grid)
-    now = grid[current - 1]
     return top.passes if top.goodput > (1.0 + hysteresis) * now.goodput else current

@@ -56,6 +56,8 @@ def test_gain_at_is_the_estimators_and_caps():
     assert goodput.gain_at(3.0, 1.0, 8, max_gain=2.0) == 2.0
     assert goodput.gain_at(math.nan, math.nan, 8) == 1.0
     assert goodput.gain_at(3.0, 1.0, 1) == 1.0
+    with pytest.raises(ValueError, match=r"S >= 1.*S = 0.25"):  # #30 item 1: advise ranked it 3.1x
+        goodput.gain_at(3.0, 1.0, 0.25)
 
 
 @pytest.mark.parametrize("sigma2, mu2, allreduce, max_gain", [
@@ -74,6 +76,9 @@ def test_argmax_equals_brute_force(sigma2, mu2, allreduce, max_gain):
     brute = {}
     for w, k, m in itertools.product([1, 2, 4, 8], range(1, 17), [16, 32, 64]):
         s = w * k * m / 32
+        if s < 1 or (s > 1 and w * k < 2):  # below the baseline batch, or no variance measurable
+            assert not goodput.runnable(w, k, m, 32)
+            continue
         r = 1.0 if s <= 1 else min((sigma2 + mu2) / (sigma2 / s + mu2), s, max_gain)
         a = 0.0 if w == 1 else allreduce * ((w - 1) / w) / 0.5
         brute[(w, k, m)] = r / (k * 0.01 * m / 32 + a + 0.002)
@@ -101,3 +106,18 @@ def test_choose_passes_with_hysteresis():
     assert goodput.choose_passes(model, 1e-9, 1.0, current=8, **args) == 1
     with pytest.raises(ValueError, match="current passes 0"):
         goodput.choose_passes(model, 1.0, 1.0, current=0, **args)
+
+
+def test_choose_passes_never_below_min_passes_nor_unrunnable():
+    """#30 item 1: with no noise one pass predicts the most goodput, but a job whose baseline
+    batch is two micro-batches (one worker, k = 2, scale = 1) cannot take k = 1 (S = 0.5), nor a
+    one-worker job k = 1 at S > 1 (one micro-gradient, no variance)."""
+    model = goodput.StepTimeModel(compute=0.01, per_sample=None, micro_batch=1, allreduce=0.0,
+                                  update=0.002, workers=1)
+    free = dict(current=2, max_passes=4, micro_batch=1, base_batch=2)
+    assert goodput.choose_passes(model, 1e-9, 1.0, min_passes=2, **free) == 2
+    # Without the floor, k = 1 would be S = 0.5: not a candidate either way.
+    assert goodput.choose_passes(model, 1e-9, 1.0, **free) == 2
+    grid = goodput.candidates(model, 1e-9, 1.0, workers=[1], passes=range(1, 5), micro_batches=[1],
+                              base_batch=0.5)  # S = 2k
+    assert [c.passes for c in grid] == [2, 3, 4]  # k = 1: S = 2 from one micro-gradient

@@ -418,3 +418,24 @@ def test_a_checkpoint_with_statistics_for_other_groups_is_refused_by_a_fresh_opt
     with pytest.raises(ValueError, match=r"statistics for 2 parameter group\(s\), this optimizer has 1"):
         fresh.loaded_policy(two.policy.state_dict())
     assert fresh.policy.state_dict() == before
+
+
+@pytest.mark.parametrize("scale, passes, noise", [(1.0, 2, 1e-6), (4.0, 2, 1e-6)])
+def test_adapt_never_takes_k_below_the_start(scale, passes, noise):
+    """#30 item 1: one worker, k = 2 with scale=1 (the baseline batch is two micro-batches) went to
+    k = 1 (S = 0.5) and the next step raised after the update was applied; with scale=4 it went to
+    k = 1 (S = 2 from one micro-gradient) and raised 'no variance estimate'. Low noise predicts
+    the most goodput at k = 1; the job keeps k = 2 and keeps stepping."""
+    scaling = Scaling(OneProcess(), policy="adascale", passes=passes, scale=scale, budget=None,
+                      optimizer_name="SGD", framework="toy", base_lrs=[LR], adapt="goodput",
+                      max_passes=4, adapt_every=10)
+    # Two micro-gradients that differ by a little: mean |g_i|^2 = 1 + noise, |g_bar|^2 = 1.
+    stats = [2.0 * (1.0 + noise), 2.0, 1.0]
+    # Rank 0's step times at k = 2: 10 ms a pass, no allreduce (one worker), 2 ms of update.
+    scaling.clock.history.extend([(1, passes, 0.02, 0.0, 0.002)] * 20)
+    for step in range(1, 31):
+        scaling.step(stats, base_lr=LR)
+        k = scaling.adapted_passes()
+        assert k == passes, (step, k)
+        scaling.set_passes(k)
+    assert scaling.policy.scale == scale and scaling.policy.steps == 30

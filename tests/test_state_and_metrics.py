@@ -179,3 +179,70 @@ def test_the_rank_0_of_the_moment_writes_and_replays_are_not_duplicated(tmp_path
     b.close()
     assert [float(r["step"]) for r in _rows(tmp_path / "metrics.csv")] == [1, 2, 3, 4]
     assert [float(r["step"]) for r in _rows(tmp_path / "metrics.replayed.csv")] == [3]
+
+
+# -- #30: the state record and its versions -------------------------------------------------------
+
+# A version-4 checkpoint as daf194d's Policy.state_dict() wrote it (adascale at S = 4, 3 steps).
+V4_ADASCALE = {"version": 4, "policy": "adascale", "steps": 3, "progress": 5.25, "skipped": 1,
+               "lr_factor": 1.75, "estimator": {"version": 1, "scale": 4.0, "smoothing": None,
+                                                "sigma2_biased": [0.9], "mu2_biased": [0.4],
+                                                "bias_weight": 0.01, "updates": 3}}
+
+
+def test_version_4_checkpoint_loads_at_another_scale_and_continues():
+    """The layout did not change from version 4 to 5 (only what mu2's EMA holds): a version-4
+    checkpoint loads as it is, at this job's S, and its vector form is the same floats."""
+    policy = make_policy("adascale", scale=8)
+    policy.load_state_dict(V4_ADASCALE)
+    assert (policy.steps, policy.progress, policy.skipped, policy.lr_factor) == (3, 5.25, 1, 1.75)
+    assert policy.scale == 8 and policy.estimator.sigma2 == pytest.approx(90.0)
+    assert policy.estimator.mu2 == pytest.approx(40.0)
+    np.testing.assert_array_equal(policy.state_vector(1), [3, 5.25, 1, 1.75, 3, 0.01, 0.9, 0.4])
+    assert policy.state_dict()["version"] == 5
+    info = policy.step([8.0], [1.25], 8)
+    assert info.progress_before == 5.25 and info.step == 4
+
+
+@pytest.mark.parametrize("spec, pattern", [
+    ("warmup:steps=500", r"steps=.*optimizer steps.*500 optimizer steps at S = 4.*baseline_steps"),
+    ("adascale_adam:horizon=previous", r"horizon=previous was removed.*'policy' entry"),
+])
+def test_version_4_checkpoints_of_removed_options_are_refused_saying_what_to_do(spec, pattern):
+    """#30 items 2 and 6: a ramp in optimizer steps and horizon=previous are gone; their
+    checkpoints are refused (nothing loaded), each naming what to run instead."""
+    saved = {**V4_ADASCALE, "policy": spec}
+    policy = make_policy("adascale_adam" if "adam" in spec else "warmup:baseline_steps=2000",
+                         scale=4)
+    before = policy.state_dict()
+    with pytest.raises(ValueError, match=pattern):
+        policy.load_state_dict(saved)
+    assert policy.state_dict() == before
+
+
+def test_efficiency_is_the_applied_gain_over_s():
+    """#30 item 3: adascale_adam's efficiency used the uncapped gain (S = 64, capped gain 8:
+    0.150 logged, not 0.125); advise and the plots read it."""
+    import hvd_scale.policies as policies
+    policy = make_policy("adascale_adam", scale=64)
+    for _ in range(policies.AdaScaleAdam.MIN_ADAM_HISTORY + 5):
+        policy.step([64.0], [1e-9], 64)  # noise only: the measured gain is near S
+    assert policy.estimator.gain > 9 and policy.gain == 8.0
+    assert policy.metrics()["gain"] == 8.0
+    assert policy.metrics()["efficiency"] == 8.0 / 64
+
+
+def test_state_record_is_frozen_and_a_step_replaces_it():
+    """The record is never changed in place: a step returns a new one (what a Keras host call or
+    a broadcast holds stays what it was)."""
+    import dataclasses
+    policy = make_policy("adascale", scale=4)
+    before = policy.state
+    policy.step([8.0], [1.25], 4)
+    assert before.steps == 0 and policy.state.steps == 1 and policy.state is not before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.state.progress = 3.0
+    # transition is pure: the same record and statistics give the same record, any number of times.
+    again, info = policy.transition(before, [8.0], [1.25], 4, scale=4)
+    np.testing.assert_array_equal(again.to_vector(1), policy.state.to_vector(1))
+    assert info.step == 1 and before.steps == 0
