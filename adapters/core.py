@@ -7,18 +7,18 @@ apply. No framework is imported here: the Horovod module is passed in (``Horovod
 
 from __future__ import annotations
 
-import collections
 import math
-import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from hvd_scale import goodput
-from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
+from hvd_scale.adapters import agreement, checkpoint
+from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, StepClock, check_passes
 from hvd_scale.adapters.log import MetricsLogger
+from hvd_scale.adapters.readout import Readout  # noqa: F401  (the adapters import it from here)
+from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
 from hvd_scale.moments import EPS_CORRECTED, AdamStep, adam_step, moment_progress
-from hvd_scale.policies import Policy, StepInfo, agree_across_ranks, make_policy, resolve_policy
+from hvd_scale.policies import Policy, StepInfo
 from hvd_scale.reduce import unpack_step
 
 NONFINITE = ("skip", "raise")
@@ -38,63 +38,6 @@ USER_SETTINGS = ("lr", "beta1", "beta2", "eps", "weight_decay", "framework_step"
 PLAN = ("lr_factor", "lr", "beta1", "beta2", "eps", "weight_decay")
 
 
-# adapt="goodput": every this many steps the ranks agree on k, the passes per step, from the
-# goodput argmax (``hvd_scale.goodput.choose_passes``); a change needs this much more predicted
-# goodput than staying. The decision is rank 0's (its timings), broadcast: one small collective
-# per interval.
-ADAPT = ("goodput",)
-ADAPT_EVERY = 50
-ADAPT_HYSTERESIS = 0.05
-
-
-class StepClock:
-    """Where each step's time goes (``hvd_scale.goodput``'s model), from host time stamps at
-    points the adapter passes anyway: no synchronisation is added. A step's passes take from the
-    previous step's end to the wait for its gradients (``waiting``), the wait lasts until
-    ``waited``, the update until the step's end (``ended``): known only after the step, so each
-    step's row carries the previous step's update. The first step after construction has no
-    previous end: its times are nan and not kept."""
-
-    HISTORY = 400  # steps kept for the model (``goodput.fit_step_time``)
-
-    def __init__(self):
-        self._end = self._wait = self._waited = None
-        self._update = math.nan
-        self.history: collections.deque = collections.deque(maxlen=self.HISTORY)
-
-    def waiting(self) -> None:
-        self._wait = time.perf_counter()
-
-    def waited(self) -> None:
-        self._waited = time.perf_counter()
-
-    def ended(self) -> None:
-        now = time.perf_counter()
-        if self._waited is not None:
-            self._update = now - self._waited
-        self._end, self._wait, self._waited = now, None, None
-
-    def lap(self, passes: int, workers: int) -> dict[str, float]:
-        """This step's ``hvd_scale.metrics.TIMING_METRICS``; a complete row joins the history."""
-        compute = wait = math.nan
-        if None not in (self._end, self._wait, self._waited):
-            compute, wait = self._wait - self._end, self._waited - self._wait
-        row = (passes, compute, wait, self._update)
-        if all(math.isfinite(x) for x in row):
-            self.history.append((workers,) + row)
-        return {"passes": float(passes), "pass_time": compute / passes, "allreduce_time": wait,
-                "update_time": self._update, "step_time": compute + wait + self._update}
-
-    def model(self, workers: int) -> goodput.StepTimeModel | None:
-        """The step-time model fitted to the kept steps at ``workers`` (None without any)."""
-        rows = [r[1:] for r in self.history if r[0] == workers]
-        if not rows:
-            return None
-        k, compute, wait, update = zip(*rows)
-        # One micro-batch size: the model is in passes (m = 1 in its own units).
-        return goodput.fit_step_time(k, [1.0] * len(k), compute, wait, update, workers=workers)
-
-
 def run_step(opt, closure=None):
     """One optimizer step, the same sequence for every adapter (``protocol.FrameworkOptimizer``):
     the step's statistics reduced over workers, the policy's plan on the host, the inner update
@@ -108,36 +51,6 @@ def precondition(grad, second_moment, correction, eps, sqrt):
     """Adam's preconditioned gradient g / (sqrt(v / c2) + eps), c2 = 1 - beta2^t the bias
     correction of v (``Policy.second_moment_correction``), in any framework's ops (``sqrt``)."""
     return grad / (sqrt(second_moment / correction) + eps)
-
-
-def check_adapt(adapt: Any, max_passes: Any, every: Any, passes: int,
-                measure: bool | None) -> tuple[str | None, int | None, int]:
-    """(adapt, max_passes, every), validated: adapt None or "goodput"; with it, max_passes an
-    int >= the starting k, every an int >= 1, and the statistics measured."""
-    if adapt is None:
-        if max_passes is not None:
-            raise ValueError(f"max_passes={max_passes!r} is for adapt='goodput' (adapt is None)")
-        return None, None, ADAPT_EVERY
-    if adapt not in ADAPT:
-        raise ValueError(f"adapt must be None or one of {list(ADAPT)}, got {adapt!r}")
-    k = check_passes(max_passes) if max_passes is not None else None
-    if k is None or k < passes:
-        raise ValueError(f"adapt={adapt!r} needs max_passes, an integer >= backward_passes_per_step "
-                         f"({passes}), got {max_passes!r}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"adapt_every must be an integer >= 1, got {every!r}")
-    if measure is False:
-        raise ValueError("adapt='goodput' needs the gradient statistics (the gain at another k): "
-                         "measure=False cannot go with it")
-    return adapt, k, every
-
-
-def check_passes(backward_passes_per_step: Any) -> int:
-    """k, the backward passes (micro-batches) per optimizer step: an int >= 1, not a bool."""
-    k = backward_passes_per_step
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {k!r}")
-    return k
 
 
 class Scaling:
@@ -201,15 +114,11 @@ class Scaling:
             stability_limit(1.0, optimizer=optimizer_name)  # an optimizer it has no limit for: now
         self.guard = guard
         self.passes = check_passes(passes)
-        # adapt='goodput' never goes below the k the job started with: the baseline batch may be
-        # several micro-batches (scale=), and fewer micro-gradients may measure no variance.
-        self.min_passes = self.passes
-        self.adapt, self.max_passes, self.adapt_every = check_adapt(adapt, max_passes, adapt_every,
-                                                                    self.passes, measure)
-        if self.adapt is not None:
+        self.adaptation = Adaptation(adapt, max_passes, adapt_every, self.passes, measure)
+        if self.adaptation.adapt is not None:
             measure = True  # the gain at another k needs sigma2 and mu2
         self.clock = StepClock()
-        self._timing = self.clock.lap(self.passes, 1)  # all nan: no step timed yet
+        self._timing = self.clock.lap(self.passes, hvd.size())  # times nan: no step timed yet
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -225,11 +134,13 @@ class Scaling:
         guard_settings = None if guard is None else {
             "every": guard.every, "iterations": guard.iterations, "tol": guard.tol,
             "margin": guard.margin}
-        self.policy = self._agreed_policy(policy, scale, budget, base_lrs, check, lambda built: {
-            "backward_passes_per_step": self.passes, "lr": base_lrs, "parameter groups": groups,
-            "measure": measured(built), "nonfinite": nonfinite, "guard": guard_settings,
-            "adapt": self.adapt, "max_passes": self.max_passes, "adapt_every": self.adapt_every,
-            **(agreed or {})})
+        self.policy = agreement.agreed_policy(
+            hvd, policy=policy, scale=scale, budget=budget, passes=self.passes,
+            optimizer_name=optimizer_name, base_lrs=base_lrs, check=check, elastic=elastic,
+            settings=lambda built: {
+                "backward_passes_per_step": self.passes, "lr": base_lrs,
+                "parameter groups": groups, "measure": measured(built), "nonfinite": nonfinite,
+                "guard": guard_settings, **self.adaptation.settings(), **(agreed or {})})
         # Decided alike on every rank (compared above): the statistics allreduce must run on all
         # of them or none.
         self.measure = measured(self.policy)
@@ -243,32 +154,6 @@ class Scaling:
         self.last_step: StepInfo | None = None  # what the latest accounted step applied
         self._state_agreed = False  # agree_on_state() ran
         self._skips_in_a_row = 0
-
-    # -- set-up ----------------------------------------------------------------------------------
-    def _agreed_policy(self, policy, scale, budget, base_lrs: Mapping[str, Any], check,
-                       settings) -> Policy:
-        hvd, passes = self.hvd, self.passes
-
-        def build() -> Policy:
-            for name, lr in base_lrs.items():
-                if not isinstance(lr, (int, float)) or isinstance(lr, bool) or \
-                        not (math.isfinite(lr) and lr > 0):
-                    raise ValueError(f"{name} has lr={lr!r}: the baseline learning rate must be "
-                                     "a finite number > 0 (the policy multiplies it)")
-            micro_gradients = hvd.size() * passes
-            built = resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
-                                   budget=budget, optimizer=self.optimizer_name,
-                                   micro_gradients=micro_gradients)
-            if check is not None:
-                check(built)
-            return built
-
-        # Not under Horovod elastic: a worker that joins a running job builds its optimizer
-        # while the others train, so a collective here would wait forever. There the policy
-        # state (its spec checked on load) comes from rank 0 at every sync instead.
-        allgather = None if hvd.size() == 1 or self.elastic else \
-            (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
-        return agree_across_ranks(build, allgather, settings)
 
     # -- the host side of a step -------------------------------------------------------------------
     def step(self, statistics: Sequence[float] | np.ndarray | None, *, base_lr: float,
@@ -335,6 +220,8 @@ class Scaling:
         user = np.asarray(user_settings, dtype=np.float64).reshape(self.groups, len(USER_SETTINGS))
         lrs = user[:, 0].tolist()
         self.check_lrs(dict(zip(self.lr_names, lrs)))
+        if self.policy.moments_in_progress:
+            self.check_adam_history(user[:, -1].tolist())
         loss_scale = None if loss_scale is None else float(loss_scale)
         factor = self.step(statistics if self.measure else None, base_lr=lrs[0], finite=bool(finite),
                            loss_scale=loss_scale)
@@ -366,6 +253,23 @@ class Scaling:
                          framework_step=framework_step, eps_placement=eps_placement,
                          weight_decay=weight_decay)
 
+    def check_adam_history(self, framework_steps: Sequence[float]) -> None:
+        """Adam's state must have taken at least the steps the policy accounted. With horizons in
+        progress its bias correction is 1 - beta^tau: a fresh Adam state (one gradient in v)
+        under a restored policy (tau of a long run) would take a first update several times too
+        large. Raised alike on every rank, before anything is counted."""
+        steps = self.policy.steps
+        behind = [t for t in framework_steps if math.isfinite(t) and t < steps + 1]
+        if behind:
+            raise ValueError(
+                f"hvd_scale: the optimizer's Adam state has taken {int(min(behind)) - 1} "
+                f"update(s), but the policy state has accounted {steps} step(s) (tau "
+                f"{self.policy.progress:g}): a policy state restored without the optimizer's own "
+                "(a fresh Adam under a loaded policy) would make this update several times too "
+                "large, as adascale_adam corrects Adam's bias by tau. Restore both from one "
+                "checkpoint (opt.load_state_dict), or start the policy afresh too (the step was "
+                "not applied nor counted)")
+
     def check_lrs(self, lrs: Mapping[str, Any]) -> None:
         """The lrs of the step about to be taken ({name: lr}) must be finite and >= 0: set after
         construction (by hand or by a scheduler), a negative lr would ascend the loss and nan or
@@ -384,23 +288,11 @@ class Scaling:
                                  "not applied nor counted)")
 
     def agree_on_state(self) -> None:
-        """Once, at the first step: every rank must hold the same policy state (steps, tau). A
-        checkpoint loaded on some ranks only (without ``broadcast_state`` after it) would train
-        the replicas with different lrs and tau, silently; here it is a ValueError on every rank
-        naming each rank's state. One small allgather per job; not under elastic, where the
-        state comes from rank 0 at every sync."""
-        if self._state_agreed:
-            return
-        self._state_agreed = True
-        if self.hvd.size() == 1 or self.elastic:
-            return
-        seen = self.hvd.allgather_object((self.policy.steps, self.policy.progress),
-                                         name="hvd_scale.state")
-        if len(set(seen)) > 1:
-            states = {rank: f"{steps} steps, tau {tau:g}" for rank, (steps, tau) in enumerate(seen)}
-            raise ValueError(f"hvd_scale: the ranks start with different policy states {states}: "
-                             "a checkpoint loaded on some ranks only? Load it on every rank, or on "
-                             "rank 0 and then call broadcast_state(model, optimizer) on every rank")
+        """Once, at the first step: every rank must hold the same policy state (steps, tau);
+        ``agreement.agree_on_state``. One small allgather per job; none under elastic."""
+        if not self._state_agreed:
+            self._state_agreed = True
+            agreement.agree_on_state(self.hvd, self.policy, self.elastic)
 
     def guard_due(self) -> bool:
         """The next step should measure the sharpness first (alike on every rank)."""
@@ -434,6 +326,15 @@ class Scaling:
         else:
             self.policy.rescale(scale)
 
+    @property
+    def adapt(self) -> str | None:
+        """"goodput" when k adapts, else None."""
+        return self.adaptation.adapt
+
+    @property
+    def max_passes(self) -> int | None:
+        return self.adaptation.max_passes
+
     def set_passes(self, passes: int) -> None:
         """k passes per step from the next step on (alike on every rank): S follows in
         proportion, so the policy's factor and tau's advance are those of the new S."""
@@ -444,14 +345,18 @@ class Scaling:
 
     def adapted_passes(self) -> int:
         """adapt="goodput": every ``adapt_every`` steps, the k of largest predicted goodput
-        (``goodput.choose_passes``) from rank 0's step times and the estimates, broadcast so that
-        every rank takes the same; else the current k. Call after each step, on every rank."""
+        (``adapt.Adaptation.choose``) from rank 0's step times and the estimates, broadcast so
+        that every rank takes the same; else the current k. Call after each step, on every rank."""
         steps = self.policy.steps
-        if self.adapt is None or steps == 0 or steps % self.adapt_every:
+        if not self.adaptation.due(steps):
             return self.passes
         choice = self.passes
         if self.hvd.rank() == 0:
-            choice = self._goodput_choice()
+            estimator = self.policy.estimator
+            choice = self.adaptation.choose(self.clock, sigma2=estimator.sigma2, mu2=estimator.mu2,
+                                            scale=self.policy.scale, passes=self.passes,
+                                            workers=self._world_size,
+                                            max_gain=getattr(self.policy, "max_gain", math.inf))
         if self.hvd.size() > 1:
             choice = self.hvd.broadcast_object(choice, root_rank=0, name="hvd_scale.passes")
         if choice != self.passes and self.hvd.rank() == 0:
@@ -459,20 +364,6 @@ class Scaling:
                   f"{choice} passes per step (S {self.policy.scale:g} -> "
                   f"{self.policy.scale * choice / self.passes:g}; adapt='goodput')", flush=True)
         return choice
-
-    def _goodput_choice(self) -> int:
-        model = self.clock.model(self._world_size)
-        estimator = self.policy.estimator
-        if model is None or math.isnan(estimator.sigma2):
-            return self.passes
-        # In units of one micro-batch: S = W k u, u = S / (W k) baseline batches.
-        unit = self.policy.scale / (self._world_size * self.passes)
-        return goodput.choose_passes(model, estimator.sigma2, estimator.mu2, current=self.passes,
-                                     max_passes=self.max_passes, micro_batch=1.0,
-                                     base_batch=1.0 / unit, min_passes=min(self.min_passes,
-                                                                           self.passes),
-                                     max_gain=getattr(self.policy, "max_gain", math.inf),
-                                     hysteresis=ADAPT_HYSTERESIS)
 
     # -- what is read --------------------------------------------------------------------------------
     def metrics(self, policy: Policy | None = None) -> dict[str, float]:
@@ -482,66 +373,13 @@ class Scaling:
         guard = UNGUARDED_METRICS if self.guard is None else self.guard.metrics()
         return {**(policy or self.policy).metrics(), "lr": self.last_lr, **guard, **self._timing}
 
-    # -- checkpoints ---------------------------------------------------------------------------------
+    # -- checkpoints (``checkpoint.py``) ----------------------------------------------------------
     def loaded_policy(self, state: dict) -> Policy:
         """A policy of this job's spec, scale and budget holding ``state`` (validated; the current
         policy is not touched, so a bad checkpoint changes nothing)."""
-        policy = make_policy(self.policy.spec, scale=self.policy.scale, budget=self.policy.budget)
-        policy.load_state_dict(state)
-        # The policy only compares with estimates it already has (none before the first step).
-        saved = policy.estimator.state.sigma2_biased
-        if saved is not None and saved.size != self.groups:
-            raise ValueError(f"checkpoint has statistics for {saved.size} parameter group(s), "
-                             f"this optimizer has {self.groups}")
-        return policy
+        return checkpoint.loaded_policy(self.policy, state, self.groups)
 
     def broadcast(self, root_rank: int = 0) -> None:
         """Every rank takes ``root_rank``'s policy state (and guard estimate)."""
-        state = self.hvd.broadcast_object(
-            {"policy": self.policy.state_dict(),
-             "guard": None if self.guard is None else self.guard.state_dict()},
-            root_rank=root_rank, name="hvd_scale.policy_state")
-        self.policy = self.loaded_policy(state["policy"])
-        if self.guard is not None and state["guard"] is not None:
-            self.guard.load_state_dict(state["guard"])
-
-
-class Readout:
-    """The read-only values an adapter's optimizer shows (it has ``policy`` and ``scaling``)."""
-
-    policy: Policy
-    scaling: Scaling
-
-    gain = property(lambda self: self.policy.gain, doc="measured gain r in [1, S]")
-    lr_factor = property(lambda self: self.policy.lr_factor,
-                         doc="factor the latest step applied to the baseline lr")
-    progress = property(lambda self: self.policy.progress, doc="tau, in baseline steps")
-    scale = property(lambda self: self.policy.scale, doc="S")
-    sigma2 = property(lambda self: self.policy.estimator.sigma2, doc="smoothed sigma2")
-    mu2 = property(lambda self: self.policy.estimator.mu2, doc="smoothed mu2")
-    noise_scale = property(lambda self: self.policy.estimator.noise_scale, doc="sigma2 / mu2")
-    efficiency = property(lambda self: self.policy.estimator.efficiency, doc="gain / S")
-    last_learning_rate = property(lambda self: self.scaling.last_lr,
-                                  doc="lr the latest step applied: baseline lr x lr_factor")
-
-    def metrics(self) -> dict[str, float]:
-        """``hvd_scale.metrics.STEP_METRICS`` as floats (host values: read them eagerly)."""
-        return self.scaling.metrics(self.policy)
-
-    def done(self, budget: float | None = None) -> bool:
-        """True once progress tau has reached the budget (baseline steps)."""
-        return self.policy.done(budget)
-
-    def rescale(self, scale: float | None = None) -> None:
-        """New S; default: follow the world size, keeping S / (workers x k)."""
-        self.scaling.rescale(scale)
-
-    def log_loss(self, loss) -> None:
-        """Record the step's loss (float or tensor) in the metrics row of the next step."""
-        if self.scaling.logger is not None:
-            self.scaling.logger.set_loss(loss)
-
-    def close(self) -> None:
-        """Flush and close the metrics files."""
-        if self.scaling.logger is not None:
-            self.scaling.logger.close()
+        self.policy = checkpoint.broadcast(self.hvd, self.policy, self.guard, self.groups,
+                                           root_rank)

@@ -16,20 +16,26 @@ scaling stops paying too.
 
 Step-time model, measured in the job (the adapters time each step; no extra synchronisation):
 
-    T = k c(m) + a(W) + u      c(m) = c0 + c1 m   one forward + backward pass
+    T = o + k c(m) + a(W) + u  o     the step's own work outside its passes (zero_grad, the
+                                     adapt decision, evaluation, logging: what the user's loop
+                                     does once per step)
+                               c(m) = c0 + c1 m   one forward + backward pass (its data included)
                                a(W)  the wait for the gradients' allreduce after the last pass
                                u     the update and the host's work of the step
 
 AdaptDL fits T_compute and T_network to step times with a gamma-norm for their overlap (7
-parameters, several (W, m) needed before it is identified). Here each part is timed directly, so
-one configuration identifies the model at its W and m: c is the time from the previous step's end
-to ``step()`` over the passes taken (the user's loader and loss included: they are per pass),
-a the wait inside ``synchronize``, u the rest of ``step()``. c0 and c1 are a least-squares line
-over the micro-batch sizes seen (one size: another m is assumed to cost in proportion,
-c(m) = c m / m_seen). Another W: a ring allreduce moves 2 (W - 1) / W of the gradients per
-worker, so a(W) = a(W_seen) x [(W - 1) / W] / [(W_seen - 1) / W_seen] and a(1) = 0 (an
-assumption, stated wherever it is used: the wait also depends on how much the last pass
-overlaps it and on the network between hosts).
+parameters, several (W, m) needed before it is identified). Here each part is timed directly:
+the time from the previous step's end to ``step()`` is o + k c, and with k >= 2 the torch adapter
+also times one pass alone (from the first gradient of the first pass to that of the last, over
+k - 1), so one configuration identifies c and o apart; with k = 1 only, o is identified across
+steps of several k (a least-squares line o + k c), else taken as 0 and stated (``identified``):
+charged to the passes, a per-step cost would be predicted to grow with k. a is the wait inside
+``synchronize``, u the rest of ``step()``. c0 and c1 are a least-squares line over the
+micro-batch sizes seen (one size: another m is assumed to cost in proportion, c(m) = c m /
+m_seen). Another W is an extrapolation, stated wherever it is used: a ring allreduce moves
+2 (W - 1) / W of the gradients per worker, so a(W) = a(W_seen) x [(W - 1) / W] / [(W_seen - 1) /
+W_seen] and a(1) = 0; the wait measured is only what the passes did not hide, and a ring's
+latency grows with W too, so the further from W_seen, the less it says.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from .estimate import gain_ratio
 
 @dataclasses.dataclass(frozen=True)
 class StepTimeModel:
-    """T(k, m, W) = k (c0 + c1 m) + a(W) + u, fitted at ``workers`` (see the module's docstring)."""
+    """T(k, m, W) = o + k (c0 + c1 m) + a(W) + u, fitted at ``workers`` (see the module's
+    docstring)."""
 
     compute: float         # c0 + c1 m_seen: seconds of one pass at the micro-batch seen
     per_sample: float | None  # c1; None when one micro-batch size was seen
@@ -55,6 +62,8 @@ class StepTimeModel:
     update: float          # u: the rest of the step
     workers: int           # W_seen
     error: float = math.nan  # largest relative error of the mean step time of a configuration seen
+    per_step: float = 0.0  # o: the step's own work outside its passes
+    identified: bool = True  # o and c measured apart (else o = 0 was assumed: one k, no pass timed)
 
     def pass_time(self, micro_batch: float | None = None) -> float:
         """c(m): one pass at ``micro_batch`` samples (default: the size seen)."""
@@ -78,15 +87,17 @@ class StepTimeModel:
     def step_time(self, passes: float, micro_batch: float | None = None,
                   workers: int | None = None) -> float:
         """Predicted seconds of one step of k passes."""
-        return passes * self.pass_time(micro_batch) + self.allreduce_time(workers) + self.update
+        return (self.per_step + passes * self.pass_time(micro_batch) + self.allreduce_time(workers)
+                + self.update)
 
 
 def fit_step_time(passes: Sequence[float], micro_batch: Sequence[float], compute: Sequence[float],
-                  allreduce: Sequence[float], update: Sequence[float], *,
-                  workers: int) -> StepTimeModel:
+                  allreduce: Sequence[float], update: Sequence[float], *, workers: int,
+                  per_pass: Sequence[float] | None = None) -> StepTimeModel:
     """Fit the model to per-step timings (one entry per step: its passes k, micro-batch m, the
-    seconds of its passes, of its allreduce wait and of its update). Raises ValueError on empty
-    or non-finite input, or a step with no passes."""
+    seconds from the previous step's end to the wait (o + k c), of its allreduce wait and of its
+    update; ``per_pass``: one pass timed alone, nan where it was not (k = 1)). Raises ValueError
+    on empty or non-finite input, or a step with no passes."""
     k, m, c, a, u = (np.asarray(x, dtype=np.float64) for x in (passes, micro_batch, compute,
                                                                  allreduce, update))
     if not k.size or len({x.shape for x in (k, m, c, a, u)}) != 1 or k.ndim != 1:
@@ -95,12 +106,23 @@ def fit_step_time(passes: Sequence[float], micro_batch: Sequence[float], compute
     values = np.concatenate([k, m, c, a, u])
     if not np.all(np.isfinite(values)) or np.any(values < 0) or np.any(k < 1) or np.any(m <= 0):
         raise ValueError("timings must be finite and >= 0, with passes >= 1 and micro_batch > 0")
-    per_pass = c / k
+    p = np.full(k.shape, np.nan) if per_pass is None else np.asarray(per_pass, dtype=np.float64)
+    timed = np.isfinite(p) & (p > 0)
+    identified = True
+    if timed.any():  # passes timed alone: o is the rest of each step's compute
+        per_step = max(float(np.mean(c[timed] - k[timed] * p[timed])), 0.0)
+    elif np.ptp(k) > 0:  # several k: the line o + k c through the steps' compute
+        per_step = max(float(np.polyfit(k, c, 1)[1]), 0.0)
+    else:  # one k and no pass timed alone: o cannot be told from c
+        per_step, identified = 0.0, False
+    per_pass_time = (c - per_step) / k
     # c(m) = c0 + c1 m by least squares: the line passes through the means, so c(m_seen) is the
     # mean pass time; a slope below 0 (noise) is taken as none.
-    c1 = max(float(np.polyfit(m, per_pass, 1)[0]), 0.0) if np.ptp(m) > 0 else None
-    model = StepTimeModel(compute=float(np.mean(per_pass)), per_sample=c1, micro_batch=float(np.mean(m)),
-                          allreduce=float(np.mean(a)), update=float(np.mean(u)), workers=int(workers))
+    c1 = max(float(np.polyfit(m, per_pass_time, 1)[0]), 0.0) if np.ptp(m) > 0 else None
+    model = StepTimeModel(compute=float(np.mean(per_pass_time)), per_sample=c1,
+                          micro_batch=float(np.mean(m)), allreduce=float(np.mean(a)),
+                          update=float(np.mean(u)), workers=int(workers), per_step=per_step,
+                          identified=identified)
     # The error of the mean step time of each configuration seen (single steps scatter far more
     # on shared cores than their means, which is what goodput uses): with one configuration the
     # model reproduces its mean exactly, so the error says something only across k or m.

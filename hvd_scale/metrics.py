@@ -34,11 +34,17 @@ METRICS: dict[str, str] = {
     "lr_cap": "largest lr the guard allows: margin x the optimizer's stability limit for that "
               "sharpness; inf without a guard or estimate",
     "passes": "k, backward passes per worker the latest step announced (adapt='goodput' changes it)",
-    "pass_time": "seconds of one backward pass in the latest step: from the previous step's end to "
-                 "the wait for the gradients, over its passes (forward, backward, data loading)",
+    "workers": "W, workers in the job at the latest step (Horovod elastic changes it)",
+    "pass_time": "seconds of one pass (forward, backward, its data) in the latest step: timed alone "
+                 "with k >= 2 (first gradient to first gradient); with k = 1 the whole time from "
+                 "the previous step's end to the wait for the gradients",
+    "overhead_time": "seconds of the latest step's own work outside its passes (zero_grad, "
+                     "evaluation, logging: from the previous step's end to the wait, less k x "
+                     "pass_time); nan where no pass was timed alone (k = 1, Keras)",
     "allreduce_time": "seconds the latest step waited for the gradients' allreduce after its passes",
     "update_time": "seconds of the previous step's update (after the wait, to the step's end)",
-    "step_time": "passes x pass_time + allreduce_time + update_time (hvd_scale.goodput's model)",
+    "step_time": "overhead_time + passes x pass_time + allreduce_time + update_time "
+                 "(hvd_scale.goodput's model; overhead 0 where nan)",
     "loss": "the loss passed to log_loss() for the step",
     "time": "seconds since the log was opened",
 }
@@ -50,7 +56,8 @@ POLICY_METRICS = ("step", "progress", "gain", "lr_factor", "scale", "sigma2", "m
 GUARD_METRICS = ("sharpness", "lr_cap")
 # Where a step's time goes (``hvd_scale.goodput``), timed by the torch adapter on the host (no
 # synchronisation); nan in Keras, whose step runs inside a traced function.
-TIMING_METRICS = ("passes", "pass_time", "allreduce_time", "update_time", "step_time")
+TIMING_METRICS = ("passes", "workers", "pass_time", "overhead_time", "allreduce_time",
+                  "update_time", "step_time")
 STEP_METRICS = POLICY_METRICS + ("lr",) + GUARD_METRICS + TIMING_METRICS
 # Keras puts these into every batch and epoch ``logs`` (the loss is Keras's own there).
 LOGS_METRICS = tuple(k for k in STEP_METRICS

@@ -24,7 +24,7 @@ from hvd_scale.policies import make_policy
 # The columns read, named as hvd_scale.metrics names them (checked there: a renamed metric fails
 # here at import, never as an empty column).
 STEP, PROGRESS, SCALE, SIGMA2, MU2 = "step", "progress", "scale", "sigma2", "mu2"
-PASSES, PASS_TIME, ALLREDUCE_TIME, UPDATE_TIME, _ = TIMING_METRICS
+PASSES, WORKERS, PASS_TIME, OVERHEAD_TIME, ALLREDUCE_TIME, UPDATE_TIME, _ = TIMING_METRICS
 TIMINGS = (PASSES, PASS_TIME, ALLREDUCE_TIME, UPDATE_TIME)
 check_names((STEP, PROGRESS, SCALE, SIGMA2, MU2))
 
@@ -32,8 +32,9 @@ WARMUP_STEPS = 5   # the first steps build caches, compile and fill the loader: 
 MIN_WINDOW = 10    # steps of timings at least (fewer are noise)
 WINDOW_FRACTION = 0.2  # by default the latest 20% of the timed steps: the run as it is now
 TOP = 15           # rows of the table (by goodput), plus the measured configuration
-ASSUMPTION = ("allreduce time from the measured one by a ring's traffic 2(W-1)/W; "
-              "compute per pass as measured")
+ASSUMPTION = ("allreduce wait from the measured one by a ring's traffic 2(W-1)/W (no latency "
+              "term; the wait measured is what the passes did not hide); compute per pass as "
+              "measured")
 
 
 def _finite(columns: dict[str, list[float]], names: Sequence[str]) -> list[int]:
@@ -94,15 +95,23 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         raise ValueError(f"{log_dir}: no step has timings ({', '.join(TIMINGS)}): they come from "
                          f"the torch adapter (Keras logs none)")
     timed = [i for i in timed if columns[STEP][i] > WARMUP_STEPS] or timed
+    # W of each step (Horovod elastic changes it); a log written before the column: run.json's.
+    n = len(columns[STEP])
+    workers_col = columns.get(WORKERS, [math.nan] * n)
+    W = int(workers_col[timed[-1]]) if math.isfinite(workers_col[timed[-1]]) else info["workers"]
+    timed = [i for i in timed if not math.isfinite(workers_col[i]) or workers_col[i] == W]
     rows = timed[-(window or max(MIN_WINDOW, math.ceil(WINDOW_FRACTION * len(timed)))):]
 
-    W = info["workers"]
-    col = lambda name: np.array([columns[name][i] for i in rows])  # noqa: E731
+    col = lambda name: np.array([columns.get(name, [math.nan] * n)[i] for i in rows])  # noqa: E731
     k = col(PASSES)
     # S = W k m with B0 = 1: m in baseline batches (the scale column is each step's S)
     m = np.where(np.isfinite(col(SCALE)), col(SCALE), float(info.get("scale", W))) / (W * k)
-    model = goodput.fit_step_time(k, m, k * col(PASS_TIME), col(ALLREDUCE_TIME),
-                                  col(UPDATE_TIME), workers=W)
+    # The step's own work apart from its passes where a pass was timed alone (k >= 2).
+    overhead = col(OVERHEAD_TIME)
+    alone = np.isfinite(overhead)
+    model = goodput.fit_step_time(k, m, k * col(PASS_TIME) + np.where(alone, overhead, 0.0),
+                                  col(ALLREDUCE_TIME), col(UPDATE_TIME), workers=W,
+                                  per_pass=np.where(alone, col(PASS_TIME), np.nan))
     latest = stats[-1]
     sigma2, mu2 = columns[SIGMA2][latest], columns[MU2][latest]
     cap = _max_gain(info)
@@ -122,6 +131,9 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
     def key(c: goodput.Candidate):
         return c.workers, c.passes, round(c.micro_batch, 9)
 
+    def extrapolated(c: goodput.Candidate) -> bool:  # a W the run did not measure
+        return c.workers != W
+
     shown = sorted(grid, key=lambda c: -c.goodput)[:TOP]
     extra = key(measured) not in {key(c) for c in shown}
     if extra:
@@ -136,10 +148,15 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         f"statistics at step {steps[latest]:g}: sigma2 = {sigma2:.4g}, mu2 = {mu2:.4g}, "
         f"noise scale {sigma2 / mu2 if mu2 > 0 else math.inf:.3g} baseline batches"
         + (f"; gain capped at {cap:g} (the policy's max_gain)" if math.isfinite(cap) else ""),
-        f"step time, fitted to steps {steps[rows[0]]:g}-{steps[rows[-1]]:g} ({len(rows)} steps): "
-        f"pass {1e3 * model.compute:.2f} ms, allreduce wait {1e3 * model.allreduce:.2f} ms, "
-        f"update {1e3 * model.update:.2f} ms, fit error {100 * model.error:.1f}%",
-        *([f"assumed for W other than {W}: {ASSUMPTION}"] if set(workers) - {W} else []),
+        f"step time, fitted to steps {steps[rows[0]]:g}-{steps[rows[-1]]:g} ({len(rows)} steps at "
+        f"W = {W}): per step {1e3 * model.per_step:.2f} ms, pass {1e3 * model.compute:.2f} ms, "
+        f"allreduce wait {1e3 * model.allreduce:.2f} ms, update {1e3 * model.update:.2f} ms, "
+        f"fit error {100 * model.error:.1f}%",
+        *([] if model.identified else [
+            "assumed: the step's own work (zero_grad, evaluation, logging) is charged to the "
+            "passes (one k measured and no pass timed alone): larger k is over-predicted"]),
+        *([f"extrapolated for W other than {W} (marked W*): {ASSUMPTION}; the further from "
+           f"W = {W}, the less it says"] if set(workers) - {W} else []),
         *(["assumed for another m: compute per pass in proportion to m (one m measured)"]
           if set(micro_batch_factors) - {1} and model.per_sample is None else []),
         *notes,
@@ -152,7 +169,7 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         marks = [name for name, hit in (("measured", key(c) == key(measured)),
                                          ("recommended", c is top)) if hit]
         lines.append(
-            f"{c.workers:>3} {c.passes:>3} {c.micro_batch:>6.3g} {c.scale:>7.4g} {c.gain:>6.2f} "
+            f"{str(c.workers) + ('*' if extrapolated(c) else ''):>3} {c.passes:>3} {c.micro_batch:>6.3g} {c.scale:>7.4g} {c.gain:>6.2f} "
             f"{c.efficiency:>5.2f} {1e3 * c.step_time:>9.2f} {c.throughput:>10.2f} "
             f"{c.goodput:>9.2f}" + (f" {_duration(budget / c.goodput):>10}" if budget else "")
             + (f"  <- {', '.join(marks)}" if marks else ""))
@@ -162,6 +179,7 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         f"(baseline steps of progress per second)" + (", and the measured one" if extra else ""),
         f"recommended: W = {top.workers}, k = {top.passes}, m = {top.micro_batch:g} "
         f"(S = {top.scale:g}): {top.goodput / measured.goodput:.2f}x the measured goodput"
+        + (f" (W = {top.workers} extrapolated from W = {W})" if extrapolated(top) else "")
         + (f"; T = {budget:g} baseline steps in {_duration(budget / top.goodput)} at today's "
            f"statistics" if budget else ""),
     ]

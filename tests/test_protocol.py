@@ -432,7 +432,7 @@ def test_adapt_never_takes_k_below_the_start(scale, passes, noise):
     # Two micro-gradients that differ by a little: mean |g_i|^2 = 1 + noise, |g_bar|^2 = 1.
     stats = [2.0 * (1.0 + noise), 2.0, 1.0]
     # Rank 0's step times at k = 2: 10 ms a pass, no allreduce (one worker), 2 ms of update.
-    scaling.clock.history.extend([(1, passes, 0.02, 0.0, 0.002)] * 20)
+    scaling.clock.history.extend([(1, passes, 0.02, 0.0, 0.002, 0.01)] * 20)
     for step in range(1, 31):
         scaling.step(stats, base_lr=LR)
         k = scaling.adapted_passes()

@@ -478,3 +478,33 @@ def test_norm_of_a_sparse_tensor_is_its_dense_norm():
     got = norms([sparse, dense])
     assert got[0].item() == pytest.approx(dense.norm().item()) == pytest.approx(math.sqrt(36 + 64 + 9 + 16))
     assert got[1].item() == pytest.approx(got[0].item())
+
+
+@pytest.mark.timeout(300)
+def test_tiny_float32_gradients_give_the_unscaled_gain(results):
+    """#30 item 5: the norms were taken in float32 and re-taken in float64 only when
+    non-finite, never when they underflow: with the loss x 1e-22 the gain was 4 (= S) against
+    3.56 unscaled, and below ~1e-23 it was 1. The statistics are the same in units of the
+    gradient's scale, so the gain must be too."""
+    r0, r1 = both_ranks(results, "soundness")
+    ref = r0["tiny_1"]
+    assert max(ref["gains"]) > 1.2 and min(ref["gains"]) < 3.9  # a gain to compare, below S
+    for factor in ("tiny_1e-22", "tiny_1e-30"):
+        got = r0[factor]
+        assert got["gains"] == pytest.approx(ref["gains"], rel=1e-4), factor
+        assert got["sigma2"] == pytest.approx(ref["sigma2"], rel=1e-4), factor
+        assert got["mu2"] == pytest.approx(ref["mu2"], rel=1e-4), factor
+        assert r1[factor]["gains"] == got["gains"]
+
+
+@pytest.mark.timeout(300)
+def test_a_fresh_adam_under_a_restored_policy_is_refused(results):
+    """#30 item 10: adascale_adam corrects Adam's bias by tau; a fresh Adam state (one gradient in
+    v) under a policy restored at tau ~ 40 took a first update 3-6x too large. Refused alike on
+    every rank, before anything is applied or counted."""
+    for r in both_ranks(results, "soundness"):
+        f = r["fresh_adam"]
+        assert f["error"] and "ValueError" in f["error"], f
+        assert "Adam state has taken 0 update(s)" in f["error"] and "25 step(s)" in f["error"]
+        assert "opt.load_state_dict" in f["error"]
+        assert f["unchanged"] and f["steps"] == 25 and f["tau"] == f["saved_tau"]

@@ -30,8 +30,8 @@ import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters import environment
-from hvd_scale.adapters.core import (ADAPT_EVERY, USER_SETTINGS, Readout, Scaling, check_passes,
-                                     precondition, run_step)
+from hvd_scale.adapters.adapt import ADAPT_EVERY, check_passes
+from hvd_scale.adapters.core import USER_SETTINGS, Readout, Scaling, precondition, run_step
 from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
@@ -49,11 +49,20 @@ _HALF = (torch.float16, torch.bfloat16)
 # The statistics travel in the gradients' dtype, so that Horovod fuses them into the gradients'
 # allreduce (it fuses one dtype only; a float64 tensor beside float32 gradients would be an
 # allreduce of its own every step). In float32 a sum of squared norms overflows from 3.4e38 on
-# (|g| ~ 1.8e19), which finite gradients can reach: each sum also travels times 2^-200, which
-# holds sums up to 5e98 (no finite float32 gradient's squared norm comes near) and is far above
-# float32's smallest normal number wherever the plain sum overflowed. The receiver takes the
-# plain sum where it is finite (``_summed``). One float per group more in a fused buffer.
+# (|g| ~ 1.8e19), which finite gradients can reach, and loses its digits below float32's smallest
+# normal number 1.2e-38 (|g| ~ 1e-19: a loss scaled far down), so each sum also travels times
+# 2^-200 (sums up to 5e98) and times 2^200 (sums down to 1e-98). The receiver takes the plain sum
+# where it is finite and normal, else whichever copy is (``_summed``). Two floats per group more
+# in a fused buffer.
 _WIDE = 2.0 ** -200
+_NARROW = 2.0 ** 200
+# The plain float32 sum is used down to this: well above the smallest normal (its last digits
+# are exact there) and far below any sum of squares a trained model's gradients make.
+_SMALLEST_PLAIN = 2.0 ** -100
+# A float32 norm is re-taken in float64 when its mean square falls below this: squares under
+# float32's smallest normal 1.2e-38 lose digits (an element of 1e-22 squares to a subnormal),
+# and under 1.4e-45 vanish (at 1e-24 the float32 norm is 0).
+_SMALLEST_MEAN_SQUARE = 2.0 ** -100
 
 
 def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -84,10 +93,15 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
 
     out = (torch.stack(own(tensors)) if fused
            else torch.cat([own([t])[0].double().view(1) for t in tensors])).double()
-    # The sum of float64 norms is finite exactly when each norm is (n norms below 3.4e38 each).
-    if not math.isfinite(out.sum().item()):
-        out = torch.stack([n if n.isfinite() else torch.linalg.vector_norm(t, dtype=torch.float64)
-                           for n, t in zip(out, tensors)])
+    if tensors[0].dtype == torch.float64:
+        return out
+    # Taken again in float64 where a norm is not finite (overflow) or so small that its squares
+    # underflowed in float32; one host check (against the largest tensor: a conservative bound).
+    floor = math.sqrt(max(t.numel() for t in tensors) * _SMALLEST_MEAN_SQUARE)
+    redo = ~out.isfinite() | (out < floor)
+    if bool(redo.any()):
+        out = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) if bad else n
+                           for n, t, bad in zip(out, tensors, redo.tolist())])
     return out
 
 
@@ -121,6 +135,7 @@ class _StepState:
     norms: list[list[torch.Tensor]]  # per group: norm vectors of this step's gradients so far
     fired: list[int]  # per hooked parameter: its gradients this step
     fired_total: int = 0  # gradients seen this step, all parameters
+    passes_started: int = 0  # passes whose first gradient has been seen (the step clock's stamps)
     bucket: list = dataclasses.field(default_factory=list)  # parameters waiting to be sent
     bucket_elements: int = 0
     stats_handle: Any = None  # the statistics allreduce in flight
@@ -290,6 +305,9 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             step.norms[group_index].append(self._norm(g))
             step.fired[index] += 1
             step.fired_total += 1
+            if step.fired[index] > step.passes_started:  # the first gradient of a new pass
+                step.passes_started += 1
+                self.scaling.clock.pass_started()
             if step.fired_total == self._all_gradients and step.stats_handle is None:
                 # The step's last gradient: this hook runs before Horovod's hook enqueues its
                 # allreduce, so the statistics are in Horovod's queue no later than the last
@@ -355,11 +373,12 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op,
         pre/postscale factors and dtype): Horovod fuses only tensors that agree on these, so the
         statistics join the gradients' allreduce instead of being a collective of their own.
-        In the gradients' dtype the sums travel twice (``_WIDE``); ``_summed`` turns the result
-        into the float64 sum."""
+        In the gradients' dtype the sums travel three times (``_WIDE``, ``_NARROW``); ``_summed``
+        turns the result into the float64 sum."""
         s = self.local_statistics()
         groups = len(self.param_groups)
-        wire = torch.cat([s[:groups], s[:groups] * _WIDE, s[groups:]]).to(self._stats_dtype)
+        wire = torch.cat([s[:groups], s[:groups] * _WIDE, s[:groups] * _NARROW,
+                          s[groups:]]).to(self._stats_dtype)
         return hvd.allreduce_async_(wire, op=self._op, name=STATS_NAME,
                                     prescale_factor=self._factors[0], postscale_factor=self._factors[1],
                                     process_set=self._process_set)
@@ -370,9 +389,12 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         reduced = reduced.double()
         if self._op == hvd.Average:
             reduced.mul_(self.scaling.hvd.size())
-        plain, wide, count = reduced[:groups], reduced[groups:2 * groups], reduced[2 * groups:]
-        # The sums as they are wherever they fit the wire's dtype; else the scaled-down copy.
+        plain, wide, narrow, count = (reduced[:groups], reduced[groups:2 * groups],
+                                      reduced[2 * groups:3 * groups], reduced[3 * groups:])
+        # The sums as they are wherever they fit the wire's dtype; else the scaled-down copy
+        # (overflow), or the scaled-up one (digits lost below the smallest normal).
         sums = torch.where(plain.isfinite(), plain, wide / _WIDE)
+        sums = torch.where((sums < _SMALLEST_PLAIN) & narrow.isfinite(), narrow / _NARROW, sums)
         # A count of micro-batches, exact again after the average's rounding.
         return torch.cat([sums, count.round()])
 

@@ -847,6 +847,53 @@ def case_one_process():
     emit("one_process", **out)
 
 
+def case_soundness():
+    """#30's adapter items. Tiny float32 gradients: the same model and data with the loss (and
+    so every gradient) times 1e-22 or 1e-30, the lr divided by it, give the gain of the unscaled
+    run (at daf194d: gain 4 = S at 1e-22, and 1 below ~1e-23). A fresh Adam under a restored
+    adascale_adam policy is refused on every rank, nothing applied nor counted."""
+    out = {}
+    for factor in (1.0, 1e-22, 1e-30):
+        model = make_model().float()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR / factor),
+                                   named_parameters=model.named_parameters(), policy="adascale",
+                                   backward_passes_per_step=2)
+        gains = []
+        for step in range(4):
+            opt.zero_grad()
+            for j in range(2):
+                x, y = micro_batch(hvd.rank(), step, j)
+                (loss_fn(model, x.float(), y) * factor).backward()
+            opt.step()
+            gains.append(opt.gain)
+        out[f"tiny_{factor:g}"] = {"gains": gains, "sigma2": opt.sigma2 / factor ** 2,
+                                   "mu2": opt.mu2 / factor ** 2}
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters(), policy="adascale_adam",
+                               backward_passes_per_step=2)
+    for step in range(25):
+        opt.zero_grad()
+        for j in range(2):
+            loss_fn(model, *micro_batch(hvd.rank(), step, j)).backward()
+        opt.step()
+    saved = opt.state_dict()
+    model2 = make_model()
+    fresh = torch.optim.Adam(model2.parameters(), lr=0.01)
+    saved["inner"] = fresh.state_dict()  # a fresh Adam state under the restored policy
+    opt2 = DistributedOptimizer(fresh, named_parameters=model2.named_parameters(),
+                                policy="adascale_adam", backward_passes_per_step=2)
+    opt2.load_state_dict(saved)
+    before = params_vector(model2).clone()
+    opt2.zero_grad()
+    for j in range(2):
+        loss_fn(model2, *micro_batch(hvd.rank(), 30, j)).backward()
+    out["fresh_adam"] = {"error": error_of(opt2.step), "steps": opt2.policy.steps,
+                         "unchanged": torch.equal(before, params_vector(model2)),
+                         "tau": opt2.progress, "saved_tau": opt.progress}
+    emit("soundness", **out)
+
+
 CASES = {
     "misuse": case_misuse,
     "hardening": case_hardening,
@@ -858,6 +905,7 @@ CASES = {
     "one_rank_load": case_one_rank_load,
     "passes_change": case_passes_change,
     "adapt_goodput": case_adapt_goodput,
+    "soundness": case_soundness,
     "reference": lambda: case_reference(1, False),
     "accumulate": lambda: (case_reference(2, False), case_reference(2, True)),
     "policies": case_policies,
