@@ -148,7 +148,7 @@ class _StepState:
         for group_norms in self.norms:
             group_norms.clear()
         self.fired = [0] * len(self.fired)
-        self.fired_total = 0
+        self.fired_total = self.passes_started = 0
 
 
 class DistributedOptimizer(Readout, torch.optim.Optimizer):

@@ -449,7 +449,8 @@ def case_passes_change():
         gain = reference_step(ref, two_groups, batches, ref_est, [LR, LR / 2])
         rows.append({"k": k, "scale": opt.scale, "gain": opt.gain, "ref_gain": gain,
                      "progress": opt.progress, "timing": {key: opt.metrics()[key] for key in
-                                                          ("passes", "pass_time", "allreduce_time",
+                                                          ("passes", "workers", "pass_time",
+                                                           "overhead_time", "allreduce_time",
                                                            "update_time", "step_time")},
                      "diff": float((params_vector(model) - params_vector(ref)).abs().max())})
     resumed_model = make_model()
