@@ -2,10 +2,13 @@
 
 A framework plugs in by implementing ``FrameworkOptimizer`` in its own module (``torch/``;
 ``keras/optimizer.py``, whose backend-specific collectives are in ``keras/backends.py``).
-Everything that is not a tensor operation lives once, in ``core.py``: the sequence of a step
-(``run_step``), building the policy and checking that every rank agrees on it, the measurement
-default, the statistics layout (with unscaling), the step's plan (lr factor, Adam's settings), the
-per-step record and log, following the world size, the read-only values and the checkpoint state.
+Everything that is not a tensor operation lives once, beside this file: ``core.py`` (the
+sequence of a step, ``run_step``; ``Scaling``: the measurement default, the statistics layout
+with unscaling, the step's plan of lr factor and Adam's settings, the per-step record and log,
+following the world size), ``agreement.py`` (building the policy and checking that every rank
+agrees on it and on its state), ``adapt.py`` (the step clock and adapt="goodput"'s choice of k),
+``checkpoint.py`` (the policy state in checkpoints and broadcasts), ``readout.py`` (the read-only
+values).
 The math lives in the engine (``hvd_scale``), metric names in ``hvd_scale.metrics``, what is read
 from the environment in ``environment.py``.
 

@@ -70,17 +70,20 @@ LABELS = {"none": "none", "warmup:rule=sqrt": "sqrt + warm-up", "warmup:rule=lin
 # (adapters/torch.py: the adapter before it became the package adapters/torch/; an entry a
 # checkout lacks is skipped.)
 CODE = ["hvd_scale", "adapters/__init__.py", "adapters/core.py", "adapters/protocol.py",
-        "adapters/environment.py", "adapters/torch.py", "adapters/torch",
+        "adapters/environment.py", "adapters/adapt.py", "adapters/agreement.py",
+        "adapters/checkpoint.py", "adapters/readout.py", "adapters/torch.py", "adapters/torch",
         "examples/torch_translate.py", "examples/translation_data.py"]
 # Where the runs import them from: a copy laid out as installed (adapters/ inside hvd_scale/), made
 # when the benchmark starts, so that edits to the tree during a long benchmark reach no run.
 SNAPSHOT: pathlib.Path | None = None
 CODE_HASH = ""
-# adascale_adam's choices measured against its default (issue #21): which step's gain the betas
-# follow, and the lr factor's power with the betas scaled.
-VARIANTS = ["adascale_adam:horizon=previous", "adascale_adam:lr_power=0.625",
-            "adascale_adam:lr_power=0.75"]
-LABELS.update({"adascale_adam:horizon=previous": "betas follow the previous step's gain",
+# adascale_adam's choices measured against its default (issues #21, #30): the lr factor's power
+# with the betas scaled, and a capped step's lr (drift per unit of tau kept). (#21 also measured
+# horizon=previous, the betas following the previous step's gain: equal; removed in #30.)
+VARIANTS = ["adascale_adam:lr_power=0.625", "adascale_adam:lr_power=0.75",
+            "adascale_adam:capped=drift"]
+LABELS.update({"adascale_adam:horizon=previous": "betas follow the previous step's gain (removed)",
+               "adascale_adam:capped=drift": "capped step's lr x R / sqrt(r): drift kept",
                "adascale_adam:lr_power=0.625": "lr x r^0.625", "adascale_adam:lr_power=0.75": "lr x r^0.75",
                "adascale_adam:max_gain=inf": "no gain cap"})
 VERIFY_SCALE = 32  # the scale at which --phase verify reruns each policy (the gain cap binds there)

@@ -47,6 +47,8 @@ DEFAULT_POLICY = "adascale"
 SGD_FAMILY = frozenset({"SGD"})
 # adascale_adam's moment horizons: in progress (betas follow the gain) or in optimizer steps.
 MOMENTS = ("progress", "steps")
+# What a capped adascale_adam step's lr is: sqrt(R), or R / sqrt(r measured) (drift kept).
+CAPPED = ("sqrt", "drift")
 ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "Nadam", "RAdam"})
 
 
@@ -641,7 +643,11 @@ class AdaScaleAdam(AdaScale):
                "max_gain": (_at_least_one, "a cap on the gain r each step applies (lr x sqrt(r), "
                             "tau += r, betas^r); default 8 (moments=steps: none), inf: none"),
                "lr_power": (_exponent, "the lr factor r^p; default 0.5 (sqrt: Adam's SDE scaling "
-                            "rule; other values measured on B4 for comparison)")}
+                            "rule; other values measured on B4 for comparison)"),
+               "capped": (_choice(*CAPPED), "the lr of a step whose measured gain r exceeds "
+                          "max_gain R: sqrt (default) lr x sqrt(R); drift: lr x R / sqrt(r), so "
+                          "that Adam's drift per unit of tau credited stays the baseline's (v "
+                          "shrinks by the measured r; measured on B4 for comparison)")}
     renamed = {"horizon": "adascale_adam's horizon= was removed: B4 measured horizon=previous "
                           "equal to the default, and it re-derived the previous step's gain at the "
                           "current S (wrong after a rescale, a short step or a resume); the betas "
@@ -670,8 +676,9 @@ class AdaScaleAdam(AdaScale):
             del opts["moments"]
         if opts.get("max_gain") == (self.DEFAULT_MAX_GAIN if self.moments_in_progress else math.inf):
             del opts["max_gain"]
-        if opts.get("lr_power") == 0.5:
-            del opts["lr_power"]
+        for option, default in (("lr_power", 0.5), ("capped", "sqrt")):
+            if opts.get(option) == default:
+                del opts[option]
         return opts
 
     def second_moment_correction(self, beta2: float, steps: float) -> float:
@@ -716,8 +723,16 @@ class AdaScaleAdam(AdaScale):
     def transition(self, state, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale,
                    max_factor=None):
         if state.steps >= self.MIN_ADAM_HISTORY:
-            return super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
-                                      max_factor=max_factor)
+            after, info = super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
+                                             max_factor=max_factor)
+            measured = estimated_gain(after.estimator, scale)
+            if self._options.get("capped") == "drift" and measured > info.gain:
+                # v shrank by the measured r while tau is credited R: the baseline's drift per
+                # unit of tau needs lr x R / sqrt(r), not sqrt(R) (sqrt(r / R) times less).
+                factor = _capped(info.gain / math.sqrt(measured), max_factor)
+                after = dataclasses.replace(after, lr_factor=factor)
+                info = dataclasses.replace(info, lr_factor=factor)
+            return after, info
         # The warm-in: bad statistics fail as in a measured step; the estimates stay untouched.
         after, info = super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
                                          max_factor=max_factor)

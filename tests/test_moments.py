@@ -258,3 +258,23 @@ def test_lr_power_sets_the_lr_factor_and_defaults_to_sqrt():
     # #30 item 6: horizon=previous re-derived the previous gain at the current S; removed.
     with pytest.raises(ValueError, match=r"horizon= was removed.*equal to the default"):
         make_policy("adascale_adam:horizon=previous", scale=4)
+
+
+def test_capped_drift_keeps_the_drift_per_unit_of_tau():
+    """#30 item 8: a capped step credits tau += R while v has shrunk by the measured r, so with
+    lr x sqrt(R) Adam drifts sqrt(r / R) times the baseline's per unit of tau; capped=drift
+    applies lr x R / sqrt(r) instead. Below the cap both are sqrt(r)."""
+    drift = _noisy_steps(make_policy("adascale_adam:capped=drift", scale=64))
+    plain = _noisy_steps(make_policy("adascale_adam", scale=64))
+    assert drift.spec == "adascale_adam:capped=drift" and plain.spec == "adascale_adam"
+    measured = drift.estimator.gain
+    assert measured > 8 and drift.gain == plain.gain == 8.0
+    assert plain.lr_factor == pytest.approx(math.sqrt(8.0))
+    assert drift.lr_factor == pytest.approx(8.0 / math.sqrt(measured), rel=1e-12)
+    assert drift.progress == plain.progress  # tau is credited the same R
+    # Below the cap: the same sqrt(r).
+    low = make_policy("adascale_adam:capped=drift,max_gain=inf", scale=4)
+    ref = make_policy("adascale_adam:max_gain=inf", scale=4)
+    assert _noisy_steps(low).lr_factor == _noisy_steps(ref).lr_factor
+    with pytest.raises(ValueError, match=r"capped='x': expected one of \['sqrt', 'drift'\]"):
+        make_policy("adascale_adam:capped=x", scale=4)
