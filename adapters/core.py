@@ -231,20 +231,20 @@ class Scaling:
         if factor == 0.0 or not self.policy.moments_in_progress:
             return plan
         for row, (lr, beta1, beta2, eps, decay, t) in zip(plan, user.tolist()):
-            adam = self.adam_step(base_lr=lr, lr_factor=factor, beta1=beta1, beta2=beta2, eps=eps,
+            adam = self.adam_step(self.last_step, base_lr=lr, lr_factor=factor, beta1=beta1,
+                                  beta2=beta2, eps=eps,
                                   framework_step=int(t), eps_placement=self.eps_placement,
                                   weight_decay=None if math.isnan(decay) else decay)
             row[1:] = (adam.lr, adam.beta1, adam.beta2, adam.eps,
                        math.nan if adam.weight_decay is None else adam.weight_decay)
         return plan
 
-    def adam_step(self, *, base_lr: float, lr_factor: float, beta1: float, beta2: float,
-                  eps: float, framework_step: int, eps_placement: str,
+    def adam_step(self, info: StepInfo | None, *, base_lr: float, lr_factor: float,
+                  beta1: float, beta2: float, eps: float, framework_step: int, eps_placement: str,
                   weight_decay: float | None = None) -> AdamStep | None:
-        """The framework's Adam settings for the step just accounted (``hvd_scale.moments``):
-        None where the policy leaves Adam's moments alone (every policy but adascale_adam's
-        default). ``framework_step``: the t the framework's bias correction will use."""
-        info = self.last_step
+        """The framework's Adam settings for the step ``info`` (``hvd_scale.moments``): None
+        where the policy leaves Adam's moments alone (every policy but adascale_adam's default).
+        ``framework_step``: the t the framework's bias correction will use."""
         if info is None or not self.policy.moments_in_progress:
             return None
         return adam_step(lr=base_lr * lr_factor, base_lr=base_lr, beta1=beta1, beta2=beta2,

@@ -291,7 +291,8 @@ def phase_specs(args, phase: str) -> list[dict]:
         return [spec("none", 1, 0, float(lr), args.budget) for lr in args.sweep.split(",")]
     budget = SHORT_BUDGET if phase == "short" else args.budget
     if phase == "variants":
-        return [spec(p, s, seed, args.lr, budget) for p in VARIANTS
+        return [spec(p, s, seed, args.lr, budget) for p in (args.variants.split(";")
+                                                            if args.variants else VARIANTS)
                 for s in [int(x) for x in args.variant_scales.split(",")]
                 for seed in (seeds if s <= 32 else range(1))]
     if phase == "verify":  # seed 0 of each policy and optimizer, at S = 1 or VERIFY_SCALE
@@ -506,6 +507,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-adamw", dest="adamw", action="store_false", help="skip the AdamW row")
     p.add_argument("--adamw-max-scale", type=int, default=32,
                    help="the AdamW row runs every seed up to this S (seed 0 above)")
+    p.add_argument("--variants", default="", help="';'-separated subset of --phase variants' "
+                                                   "policies (default: all)")
     p.add_argument("--variant-scales", default="32,128",
                    help="S of --phase variants (every seed up to 32, seed 0 above)")
     p.add_argument("--log-scales", default="8,32,128",

@@ -230,9 +230,8 @@ def test_adapter_settings_give_the_rule_by_hand_and_the_correction_between_steps
         for t, g in enumerate(grads, start=1):
             # Noise-only statistics: the gain climbs from 1 towards S once measured (step 21 on).
             info = policy.step([8.0 * (1 + 0.1 * t)], [1.0], 8)
-            scaling.last_step = info
             gains.append(info.gain)
-            s = scaling.adam_step(base_lr=LR, lr_factor=info.lr_factor, beta1=B1, beta2=B2,
+            s = scaling.adam_step(info, base_lr=LR, lr_factor=info.lr_factor, beta1=B1, beta2=B2,
                                   eps=EPS, framework_step=t, eps_placement=EPS_CORRECTED)
             m = s.beta1 * m + (1 - s.beta1) * g
             v = s.beta2 * v + (1 - s.beta2) * g * g
