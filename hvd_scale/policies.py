@@ -159,9 +159,14 @@ def make_policy(spec: str | None = None, *, scale: float, budget: float | None =
     budget: T, the baseline steps to train for (needed by ``warmup:fraction=...``).
     optimizer: the optimizer's class name; a policy without theory for it raises ValueError.
     """
-    if spec is None:
-        spec = os.environ.get(POLICY_ENV) or DEFAULT_POLICY
-    name, options = parse_spec(spec)
+    if spec is None and os.environ.get(POLICY_ENV):
+        try:
+            return make_policy(os.environ[POLICY_ENV], scale=scale, budget=budget,
+                               optimizer=optimizer)
+        except ValueError as e:  # say where the spec came from: the launcher or the shell
+            raise ValueError(f"${POLICY_ENV}={os.environ[POLICY_ENV]!r} (set by hvd-scale run "
+                             f"--policy, or in the environment): {e}") from e
+    name, options = parse_spec(DEFAULT_POLICY if spec is None else spec)
     policy = POLICIES[name](scale=scale, budget=budget, **options)
     if optimizer is not None:
         policy.check_optimizer(optimizer)

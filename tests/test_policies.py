@@ -700,3 +700,13 @@ def test_warmup_steps_in_optimizer_steps_is_refused_with_the_new_spelling():
     silently shorten a ramp S-fold, so the old option is refused, naming the conversion."""
     with pytest.raises(ValueError, match=r"'warmup:steps=500'.*baseline_steps=<steps x S>"):
         make_policy("warmup:steps=500", scale=8)
+
+
+def test_a_bad_spec_from_the_environment_names_the_variable(monkeypatch):
+    """#32 item 6: a typo in $HVD_SCALE_POLICY did not name the variable as its source."""
+    monkeypatch.setenv(hvd_scale.POLICY_ENV, "adascalle")
+    with pytest.raises(ValueError, match=r"\$HVD_SCALE_POLICY='adascalle' .*unknown policy 'adascalle'"):
+        make_policy(scale=4)
+    monkeypatch.setenv(hvd_scale.POLICY_ENV, "sqrt")
+    assert make_policy(scale=4).name == "sqrt"
+    assert make_policy("linear", scale=4).name == "linear"  # an explicit spec: the environment unread

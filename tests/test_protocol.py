@@ -439,3 +439,16 @@ def test_adapt_never_takes_k_below_the_start(scale, passes, noise):
         assert k == passes, (step, k)
         scaling.set_passes(k)
     assert scaling.policy.scale == scale and scaling.policy.steps == 30
+
+
+def test_a_resize_below_the_baseline_batch_is_refused_naming_the_cause():
+    """A job whose baseline batch is two workers' micro-batches (scale=1 at 2 workers) cannot
+    shrink to one worker (S = 0.5): refused before anything is applied or counted, saying why."""
+    hvd = OneProcess(size=2)
+    scaling = Scaling(hvd, policy="linear", passes=1, scale=1.0, budget=None,
+                      optimizer_name="SGD", framework="toy", base_lrs=[LR], elastic=True)
+    scaling.step(None, base_lr=LR)
+    hvd._size = 1
+    with pytest.raises(ValueError, match=r"from 2 to 1 worker.*S from 1 to 0\.5.*at least 2 workers"):
+        scaling.step(None, base_lr=LR)
+    assert scaling.policy.steps == 1 and scaling.policy.scale == 1.0
