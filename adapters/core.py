@@ -315,15 +315,7 @@ class Scaling:
         """Horovod elastic changed the number of workers: S changes in proportion (a scale given
         for another baseline batch stays consistent); AdaScale keeps its estimates and tau."""
         size = self.hvd.size()
-        if size != self._world_size and self.policy.scale * size / self._world_size < 1:
-            raise ValueError(
-                f"hvd_scale: the job went from {self._world_size} to {size} worker(s), which "
-                f"would take S from {self.policy.scale:g} to "
-                f"{self.policy.scale * size / self._world_size:g}, below the baseline batch (S "
-                f">= 1): no policy is defined there (the step was not applied nor counted). "
-                f"Give the job at least {math.ceil(self._world_size / self.policy.scale)} "
-                "workers (horovodrun --min-np), or more backward passes per step")
-        self.policy.follow_workers(self._world_size, size)
+        self.policy.follow_workers(self._world_size, size)  # S < 1 is refused, nothing changed
         self._world_size = size
 
     def rescale(self, scale: float | None = None) -> None:

@@ -264,7 +264,7 @@ class GainEstimator:
         """Smoothed variance of a baseline-batch gradient, summed over groups (nan before data)."""
         if self.state.sigma2_biased is None:
             return math.nan
-        return summed_moments(self.group_sigma2, self.group_mu2)[0]
+        return summed_moments(*smoothed(self.state))[0]
 
     @property
     def mu2(self) -> float:
@@ -272,7 +272,7 @@ class GainEstimator:
         before data)."""
         if self.state.mu2_biased is None:
             return math.nan
-        return summed_moments(self.group_sigma2, self.group_mu2)[1]
+        return summed_moments(*smoothed(self.state))[1]
 
     @property
     def gain(self) -> float:

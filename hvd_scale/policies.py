@@ -362,8 +362,17 @@ class Policy:
     def follow_workers(self, before: int, after: int) -> None:
         """The job went from ``before`` to ``after`` workers (a Horovod elastic resize): S changes
         in proportion, so a scale given for another baseline batch stays consistent."""
-        if after != before:
-            self.rescale(self.scale * after / before)
+        if after == before:
+            return
+        scale = self.scale * after / before
+        if scale < 1:
+            raise ValueError(
+                f"the job went from {before} to {after} worker(s), which would take S from "
+                f"{self.scale:g} to {scale:g}, below the baseline batch (S >= 1): no policy is "
+                f"defined there (nothing was changed). Give the job at least "
+                f"{math.ceil(before / self.scale)} workers (horovodrun --min-np), or more "
+                "backward passes per step")
+        self.rescale(scale)
 
     def with_state(self, state: PolicyState) -> "Policy":
         """A shallow copy holding ``state`` (the configuration is shared, never changed)."""
@@ -415,6 +424,11 @@ class Policy:
         """The gain a step at this S would apply (adascale_adam: capped), from the estimates."""
         return self.rule_gain(self.state, self._scale)
 
+    @property
+    def efficiency(self) -> float:
+        """The gain a step at this S would apply over S: the fraction of linear speed-up."""
+        return self.gain / self._scale
+
     def factor(self) -> float:
         """The factor the next step would apply at this S (from the estimates so far)."""
         return self.rule_factor(self.progress, self._scale, self.gain)
@@ -431,10 +445,9 @@ class Policy:
         ``lr_factor`` is the factor the latest step applied; ``factor()`` gives the next one;
         ``gain`` and ``efficiency`` are the gain a step applies (adascale_adam's capped) at S."""
         est = self.estimator
-        gain = self.gain
         values = {"step": float(self.steps), "progress": self.progress, "scale": self.scale,
-                  "gain": gain, "lr_factor": self.lr_factor, "sigma2": est.sigma2,
-                  "mu2": est.mu2, "noise_scale": est.noise_scale, "efficiency": gain / self.scale,
+                  "gain": self.gain, "lr_factor": self.lr_factor, "sigma2": est.sigma2,
+                  "mu2": est.mu2, "noise_scale": est.noise_scale, "efficiency": self.efficiency,
                   "skipped": float(self.skipped)}
         return {k: values[k] for k in POLICY_METRICS}
 
@@ -716,11 +729,6 @@ class AdaScaleAdam(AdaScale):
             return 1.0
         return min(estimated_gain(state.estimator, scale), self.max_gain)
 
-    @property
-    def gain(self) -> float:
-        """The gain the next step would apply: measured, capped (1 during the warm-in)."""
-        return self.rule_gain(self.state, self.scale)
-
     def rule_factor(self, progress, scale, gain) -> float:
         power = self._options.get("lr_power", 0.5)
         return math.sqrt(gain) if power == 0.5 else gain ** power
@@ -730,8 +738,9 @@ class AdaScaleAdam(AdaScale):
         if state.steps >= self.MIN_ADAM_HISTORY:
             after, info = super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
                                              max_factor=max_factor)
-            measured = estimated_gain(after.estimator, scale)
-            if self._options.get("capped") == "drift" and measured > info.gain:
+            measured = estimated_gain(after.estimator, scale) \
+                if self._options.get("capped") == "drift" else info.gain
+            if measured > info.gain:
                 # v shrank by the measured r while tau is credited R: the baseline's drift per
                 # unit of tau needs lr x R / sqrt(r), not sqrt(R) (sqrt(r / R) times less).
                 factor = _capped(info.gain / math.sqrt(measured), max_factor)

@@ -154,12 +154,12 @@ def migrate(d: Any) -> dict:
         elif options.get("moments", "progress") == "progress" and "max_gain" not in options:
             spec = spelled(max_gain="inf")
     if version <= 4 and name == "warmup" and "steps" in options:
-        scale = d["estimator"]["scale"] if isinstance(d["estimator"], Mapping) else "S"
+        scale = d["estimator"].get("scale") if isinstance(d["estimator"], Mapping) else None
         steps = options.pop("steps")
         raise ValueError(
             f"checkpoint of {d['policy']!r}: warm-up's steps= counted optimizer steps, so the "
             f"ramp's length moved whenever S changed; it is now given in baseline steps. This "
-            f"run's ramp was {steps} optimizer steps at S = {scale:g}: build the policy as "
+            f"run's ramp was {steps} optimizer steps at S = {scale}: build the policy as "
             f"{spelled(baseline_steps='<' + steps + ' x S>')!r} and set the checkpoint's "
             "'policy' entry to the same spec to resume")
     if version <= 4 and name == "adascale_adam" and options.get("horizon") == "previous":
