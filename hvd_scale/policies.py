@@ -194,6 +194,7 @@ def resolve_policy(policy: "str | Policy | None", *, scale: float, budget: float
     (rescaled to ``scale``); checks the optimizer, and that the variance is measurable
     (``micro_gradients`` per step, over all workers)."""
     check_budget(budget)  # also where a given Policy keeps its own
+    given = policy
     if isinstance(policy, Policy):
         if optimizer is not None:
             policy.check_optimizer(optimizer)
@@ -201,12 +202,28 @@ def resolve_policy(policy: "str | Policy | None", *, scale: float, budget: float
             policy.rescale(scale)
     else:
         policy = make_policy(policy, scale=scale, budget=budget, optimizer=optimizer)
+    check_policy_source(given, policy)
     if policy.uses_statistics and micro_gradients == 1 and policy.scale > 1:
         raise ValueError(f"policy {policy.name!r} at scale {policy.scale:g} needs at least 2 "
                          "micro-gradients per step to measure the variance, got 1 worker x 1 "
                          "backward pass: use backward_passes_per_step >= 2, more workers, or a "
                          "fixed policy")
     return policy
+
+
+def check_policy_source(given: "str | Policy | None", policy: "Policy") -> None:
+    """A policy named in the code (``given``) and another in ``$HVD_SCALE_POLICY`` (``hvd-scale run
+    --policy``): the flag would lose without a word, so refuse naming both. The same policy in
+    both is fine."""
+    env = os.environ.get(POLICY_ENV)
+    if given is None or not env:
+        return
+    flag = make_policy(None, scale=policy.scale, budget=policy.budget)  # names $HVD_SCALE_POLICY on error
+    if flag.spec != policy.spec:
+        raise ValueError(f"the code asks for policy {policy.spec!r} while ${POLICY_ENV}={env!r} (set "
+                         f"by hvd-scale run --policy, or in the environment) asks for {flag.spec!r}: "
+                         "leave the policy to the flag (do not pass policy=, or pass policy=None) "
+                         "or run without --policy")
 
 
 def agree_across_ranks(build: "Callable[[], Policy]",

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import hvd_scale
 from hvd_scale import GainEstimator, available_policies, make_policy, parse_spec
+from hvd_scale.policies import resolve_policy
 from hvd_scale.estimate import gain_ratio
 
 BUDGET = 1000.0
@@ -407,6 +408,24 @@ def test_policy_from_environment(monkeypatch):
         make_policy(scale=4)
     monkeypatch.delenv("HVD_SCALE_POLICY")
     assert make_policy(scale=4).name == "adascale"  # the default
+
+
+def test_code_policy_against_the_flag(monkeypatch):
+    """#32 item 2: a policy in the code and another from `hvd-scale run --policy` are refused,
+    naming both; the same policy in both (or none in the code) runs."""
+    monkeypatch.setenv("HVD_SCALE_POLICY", "linear")
+    with pytest.raises(ValueError, match=r"code asks for policy 'adascale'.*HVD_SCALE_POLICY='linear'"
+                                         r".*hvd-scale run --policy.*leave the policy to the flag"):
+        resolve_policy("adascale", scale=4)
+    with pytest.raises(ValueError, match="code asks for policy 'sqrt'"):
+        resolve_policy(make_policy("sqrt", scale=4), scale=4)
+    assert resolve_policy(None, scale=4).name == "linear"
+    assert resolve_policy(" Linear ", scale=4).name == "linear"  # the same policy, spelled apart
+    monkeypatch.setenv("HVD_SCALE_POLICY", "warmup:baseline_steps=7")
+    with pytest.raises(ValueError, match="baseline_steps=8"):
+        resolve_policy("warmup:baseline_steps=8", scale=4)
+    monkeypatch.delenv("HVD_SCALE_POLICY")
+    assert resolve_policy("sqrt", scale=4).name == "sqrt"
 
 
 def test_spec_parsing_normalises():
