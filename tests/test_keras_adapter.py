@@ -22,7 +22,7 @@ def results(tmp_path_factory):
                      test_dir=tmp_path_factory.mktemp("keras_adapter"), single=["resume_np1"])
 
 
-FIT_CASES = ["fit", "fit_accumulate", "checkpoint"]
+FIT_CASES = ["fit", "fit_unbuilt", "fit_accumulate", "checkpoint"]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,22 @@ def test_schedule_runs_in_scale_invariant_iterations(results):
     # learning_rate reads the schedule at floor(tau) = 6.
     assert r0["lr_now"] == pytest.approx(LR * 0.5 ** 6, rel=1e-6)
     assert r1["rows"] == r0["rows"]
+
+
+@pytest.mark.timeout(480)
+def test_broadcast_of_a_model_fit_builds(backend_results):
+    """#32 item 1: a Sequential without keras.Input (Horovod's example) under
+    BroadcastInitialState trains, ends equal on every rank, and rank 0 says the broadcast waited
+    for the first batch."""
+    r0, r1 = both_ranks(backend_results, "fit_unbuilt")
+    assert not r0["built_before"] and not r1["built_before"]
+    assert r0["hash"] == r1["hash"], "replicas diverged"
+    assert r0["iterations"] == r1["iterations"] == 8
+    # Keras on TensorFlow builds such a model in the first step (the broadcast waits for it,
+    # rank 0 says so); on torch fit builds it before the callbacks start.
+    waited = r0["backend"] == "tensorflow"
+    assert len(r0["warnings"]) == waited and r1["warnings"] == []
+    assert not waited or "after the first batch" in r0["warnings"][0]
 
 
 @pytest.mark.timeout(480)

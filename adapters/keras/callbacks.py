@@ -66,7 +66,10 @@ class _PreparesModel(keras.callbacks.Callback):
 class BroadcastInitialState(_PreparesModel):
     """Start every rank from root_rank's weights, optimizer variables and policy state.
 
-    Runs once, at the start of the first ``fit``.
+    Runs once, at the start of the first ``fit``; a model that ``fit`` itself builds (a
+    ``Sequential`` without ``keras.Input``: no variables before its first batch) is broadcast
+    after its first batch instead, as Horovod's ``BroadcastGlobalVariablesCallback`` does: that
+    step's gradients came from each rank's own initial weights (a warning says so on rank 0).
     """
 
     def __init__(self, root_rank: int = 0):
@@ -76,9 +79,25 @@ class BroadcastInitialState(_PreparesModel):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
+        # Built only in part (some layers without variables yet), building the optimizer here
+        # would bind it to the wrong variables: wait for fit's first step.
+        if not self.broadcast_done and getattr(self.model, "built", False) and self.model.variables:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
         if not self.broadcast_done:
-            broadcast_state(self.model, root_rank=self.root_rank)
-            self.broadcast_done = True
+            if backends.current().hvd.rank() == self.root_rank:
+                warnings.warn("hvd_scale: the model had no variables before fit (no keras.Input): "
+                              "BroadcastInitialState broadcast rank "
+                              f"{self.root_rank}'s state after the first batch, whose gradients "
+                              "came from each rank's own initial weights (as with Horovod's "
+                              "callback); build the model first (keras.Input) to start equal",
+                              stacklevel=2)
+            self._broadcast()
+
+    def _broadcast(self):
+        broadcast_state(self.model, root_rank=self.root_rank)
+        self.broadcast_done = True
 
 
 class ScalingMetrics(_PreparesModel):

@@ -233,6 +233,24 @@ def case_fit():
          iterations=int(opt.iterations.numpy()), epochs=len(history.history["loss"]))
 
 
+def case_fit_unbuilt():
+    """BroadcastInitialState on a model fit builds (no keras.Input), as Horovod's example has:
+    equal weights on every rank after the first batch (#32 item 1: Keras's 'Unknown variable')."""
+    keras.utils.set_random_seed(200 + hvd.rank())
+    model = keras.Sequential([keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+    opt = DistributedOptimizer(keras.optimizers.Adam(0.01), policy="adascale_adam")
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+    x, y = dataset(hvd.rank(), 64)
+    built_before = bool(model.variables)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[BroadcastInitialState()])
+    emit("fit_unbuilt", built_before=built_before, hash=weights_hash(model),
+         losses=history.history["loss"], iterations=int(opt.iterations.numpy()),
+         warnings=[str(w.message) for w in caught if "hvd_scale" in str(w.message)])
+
+
 def case_fit_accumulate():
     """model.fit with backward_passes_per_step=2: S = workers x 2."""
     x, y = dataset(hvd.rank(), 160)
@@ -523,6 +541,7 @@ CASES = {
     "policies": case_policies,
     "schedule": case_schedule,
     "fit": case_fit,
+    "fit_unbuilt": case_fit_unbuilt,
     "fit_accumulate": case_fit_accumulate,
     "checkpoint": case_checkpoint,
     "nonfinite": case_nonfinite,
