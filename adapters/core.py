@@ -201,6 +201,11 @@ class Scaling:
                     raise ValueError(f"hvd_scale: a short step of {n} backward pass(es) in all "
                                      f"({self._world_size} workers x {self.passes} announced) "
                                      f"cannot be measured: {e}") from e
+            elif n == 0:  # no backward pass on any rank since the last step
+                raise RuntimeError("hvd_scale: step() found no gradients from any backward pass "
+                                   f"(0 micro-gradients, expected {self._world_size} workers x "
+                                   f"{self.passes}): call loss.backward() (once per pass, "
+                                   "backward_passes_per_step times) before step()")
             else:  # e.g. a world size frozen in a traced graph
                 raise RuntimeError(f"hvd_scale: the step's statistics count {n} micro-gradients, "
                                    f"expected {self._world_size} workers x {self.passes}")

@@ -67,7 +67,7 @@ class ToyOptimizer:
         return LocalReducer().sum(self.local_statistics())
 
     def mean_sqnorms(self):
-        self._mean = self._grad / self._count
+        self._mean = self._grad / max(self._count, 1)  # no pass: zeros, as a framework has
         return np.array([self._mean @ self._mean])
 
     # the hooks of adapters/protocol.py
@@ -178,6 +178,14 @@ def test_statistics_must_count_workers_times_passes():
     for xi, yi in zip(x, y):  # 3 micro-batches where 2 were announced
         opt.backward(xi, yi)
     with pytest.raises(RuntimeError, match="count 3 micro-gradients, expected 1 workers x 2"):
+        opt.step()
+
+
+def test_step_without_backward_says_what_to_call():
+    """#32 item 6: step() with no backward pass names the fix."""
+    opt = ToyOptimizer(np.zeros(3), passes=2)
+    with pytest.raises(RuntimeError, match=r"no gradients.*expected 1 workers x 2.*call "
+                                           r"loss.backward\(\).*before step\(\)"):
         opt.step()
 
 
