@@ -294,7 +294,7 @@ def phase_specs(args, phase: str) -> list[dict]:
         return [spec(p, s, seed, args.lr, budget) for p in (args.variants.split(";")
                                                             if args.variants else VARIANTS)
                 for s in [int(x) for x in args.variant_scales.split(",")]
-                for seed in (seeds if s <= 32 else range(1))]
+                for seed in (seeds if s <= args.variant_seeds_max_scale else range(1))]
     if phase == "verify":  # seed 0 of each policy and optimizer, at S = 1 or VERIFY_SCALE
         return [spec(p, 1 if o.endswith("-s1") else VERIFY_SCALE, 0, args.lr, budget,
                      optimizer=o.removesuffix("-s1"))
@@ -510,7 +510,9 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="", help="';'-separated subset of --phase variants' "
                                                    "policies (default: all)")
     p.add_argument("--variant-scales", default="32,128",
-                   help="S of --phase variants (every seed up to 32, seed 0 above)")
+                   help="S of --phase variants")
+    p.add_argument("--variant-seeds-max-scale", type=int, default=32,
+                   help="--phase variants runs every seed up to this S (seed 0 above)")
     p.add_argument("--log-scales", default="8,32,128",
                    help="adascale_adam runs (seed 0, converged) that keep a metrics log for the plot")
     p.add_argument("--timeout", type=float, default=3600, help="wall-clock limit of one run, seconds")

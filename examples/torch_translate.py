@@ -119,6 +119,12 @@ def translate(model: Translator, src: np.ndarray, max_len: int = td.TGT_LEN, bat
     return out
 
 
+def held_out_bleu(model: Translator, data: dict) -> tuple[float, dict]:
+    """BLEU of greedy translations of the held-out sentences, and the first one as a sample."""
+    hyps = [td.decode(ids, data["grammar"].tgt_vocab) for ids in translate(model, data["src_test"])]
+    return bleu(hyps, data["refs"]), {"hyp": hyps[0], "ref": data["refs"][0]}
+
+
 def bleu(hypotheses: list[str], references: list[str]) -> float:
     """Corpus BLEU (sacrebleu, word-level: tokenize='none', the words are already split)."""
     import sacrebleu
@@ -154,6 +160,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many optimizer steps even if tau < budget (0: 4 x budget)")
     p.add_argument("--log-every", type=int, default=50, help="print every N optimizer steps (0: never)")
+    p.add_argument("--eval-every", type=float, default=0,
+                   help="held-out BLEU every N baseline steps of progress, timed apart (0: at the end)")
     return p.parse_args(argv)
 
 
@@ -185,7 +193,12 @@ def main(argv=None) -> dict:
                                seed=args.seed)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=td.PAD, label_smoothing=args.label_smoothing)
     max_steps = args.max_steps or int(4 * args.budget)
-    gains, losses, start = [], [], time.perf_counter()
+    gains, losses = [], []
+    # (training seconds without the evaluations, tau, steps, held-out BLEU): quality against
+    # steps and time (benchmarks/fair_fight.py). Rank 0 decodes; greedy decoding draws no random
+    # numbers, so the training is the same with or without it.
+    curve, eval_seconds, next_eval = [], 0.0, args.eval_every
+    start = time.perf_counter()
     while not opt.done() and opt.policy.steps < max_steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
@@ -201,17 +214,20 @@ def main(argv=None) -> dict:
         opt.step()
         gains.append(opt.gain)
         losses.append(loss.item())
+        if args.eval_every and opt.progress >= next_eval:
+            t0 = time.perf_counter()
+            if hvd.rank() == 0:
+                curve.append((t0 - start - eval_seconds, opt.progress, opt.policy.steps,
+                              held_out_bleu(model, data)[0]))
+            eval_seconds += time.perf_counter() - t0
+            next_eval = (math.floor(opt.progress / args.eval_every) + 1) * args.eval_every
         if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
             print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
                   f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.5f}  loss {loss.item():.3f}",
                   flush=True)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start - eval_seconds
 
-    score, sample = None, None
-    if hvd.rank() == 0:
-        hyps = [td.decode(ids, grammar.tgt_vocab) for ids in translate(model, data["src_test"])]
-        score = bleu(hyps, data["refs"])
-        sample = {"hyp": hyps[0], "ref": data["refs"][0]}
+    score, sample = held_out_bleu(model, data) if hvd.rank() == 0 else (None, None)
     summary = {
         "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
         "accumulate": args.accumulate, "final_passes": opt.backward_passes_per_step,
@@ -219,7 +235,7 @@ def main(argv=None) -> dict:
         "skipped": opt.policy.skipped, "bleu": score,
         "final_loss": float(np.mean(losses[-20:])) if losses else None,
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed,
-        "eval_seconds": time.perf_counter() - start - elapsed, "seed": args.seed,
+        "eval_seconds": time.perf_counter() - start - elapsed, "seed": args.seed, "curve": curve,
         "checkpointing": args.checkpointing, "sample": sample,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
     }
