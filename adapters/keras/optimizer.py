@@ -422,6 +422,19 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         self.inner_optimizer.learning_rate = learning_rate
 
     @property
+    def lr(self):
+        # Keras 2's name, read by Horovod's LearningRateWarmupCallback and
+        # LearningRateScheduleCallback, which scale the lr by hvd.size() themselves: under a
+        # policy that is lr x S twice (linear) or a fixed rule fighting AdaScale's gain.
+        raise ValueError("hvd_scale's DistributedOptimizer: optimizer.lr was read (Keras 2's "
+                         "name), as Horovod's LearningRateWarmupCallback and "
+                         "LearningRateScheduleCallback do: they scale the lr by the number of "
+                         "workers, which the policy already does. Drop them and give the "
+                         "baseline (S = 1) lr, as a number or a keras.optimizers.schedules "
+                         "schedule in baseline steps (its warm-up included); read the lr as "
+                         "optimizer.learning_rate")
+
+    @property
     def iterations(self):
         """Optimizer steps applied (skipped steps and accumulation calls excluded)."""
         return self.inner_optimizer.iterations

@@ -442,6 +442,19 @@ def case_hardening():
     emit("hardening", **out)
 
 
+def horovod_lr_callback():
+    """A converted Horovod script keeping hvd.callbacks.LearningRateWarmupCallback (#32 item 3)."""
+    from horovod.tensorflow.keras.callbacks import LearningRateWarmupCallback
+
+    model = make_model()
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(LR), policy="linear"),
+                  loss=LOSS, jit_compile=False)
+    x, y = dataset(hvd.rank(), 32)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+              callbacks=[BroadcastInitialState(),
+                         LearningRateWarmupCallback(initial_lr=LR * hvd.size(), warmup_epochs=1)])
+
+
 def case_bad_policy():
     errors = {}
     attempts = {
@@ -463,13 +476,15 @@ def case_bad_policy():
                                                 policy=["adascale", "sqrt:x=1"][hvd.rank()]),
         "elastic_plain_optimizer": lambda: ElasticState(make_model(), keras.optimizers.SGD(LR)),
         "commit_every_0": lambda: CommitState(None, batches_per_commit=0),
+        "read_lr": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="linear").lr,
+        "horovod_warmup": horovod_lr_callback,
     }
     for name, attempt in attempts.items():
         try:
             attempt()
             errors[name] = None
-        except (ValueError, TypeError) as e:
-            errors[name] = str(e)
+        except (ValueError, TypeError, AttributeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
     # Every rank is still in step: a collective completes.
     alive = float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="check.alive"))
     emit("bad_policy", errors=errors, alive=alive)
