@@ -21,7 +21,7 @@ PYTHON="${PYTHON:-python3.11}"
 TORCH_VERSION=2.13.0            # the CPU wheel on this machine's disk; never a CUDA build
 TENSORFLOW_SPEC='tensorflow-cpu==2.21.*'
 # The extras the tests, benchmarks and examples use (`mpi` is left out: mpi4py is built below).
-EXTRAS=torch,tensorflow,metrics,plot,ray,spark,bleu,dev
+EXTRAS=torch,tensorflow,metrics,plot,ray,spark,bleu,docs,dev
 
 log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 start=$(date +%s)
@@ -33,6 +33,8 @@ APT=()
 { command -v mpicxx && command -v mpirun; } >/dev/null || APT+=(libopenmpi-dev openmpi-bin)
 [ -x /usr/sbin/sshd ] || APT+=(openssh-server)
 command -v java >/dev/null || APT+=(default-jre-headless)
+# Headless Chromium: screenshots of the documentation site (docs/screenshots/, by hand).
+command -v chromium >/dev/null || APT+=(chromium)
 if [ ${#APT[@]} -gt 0 ]; then
     log "installing Debian's ${APT[*]}"
     export DEBIAN_FRONTEND=noninteractive
