@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from typing import Sequence
 
@@ -140,6 +141,7 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         shown.append(measured)
 
     steps = columns[STEP]
+    slots = os.cpu_count()
     lines = [
         f"hvd-scale advise: {log_dir}",
         f"run: policy {info.get('policy', '?')}, W = {W}, k = {here['passes']}, "
@@ -163,8 +165,10 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         "",
     ]
     header = (f"{'W':>3} {'k':>3} {'m':>6} {'S':>7} {'gain':>6} {'eff':>5} {'step ms':>9} "
-              f"{'batches/s':>10} {'steps/s':>9}" + (f" {'time to T':>10}" if budget else ""))
-    lines.append(header)
+              f"{'batches/s':>10} {'goodput':>9}" + (f" {'time to T':>10}" if budget else ""))
+    lines += ["columns: W workers, k passes per step, m micro-batch and S = W k m in baseline "
+              "batches; gain and eff(iciency) at S; batches/s of baseline batches computed; "
+              "goodput in baseline steps of progress (tau) per second", header]
     for c in shown:
         marks = [name for name, hit in (("measured", key(c) == key(measured)),
                                          ("recommended", c is top)) if hit]
@@ -180,6 +184,8 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         f"recommended: W = {top.workers}, k = {top.passes}, m = {top.micro_batch:g} "
         f"(S = {top.scale:g}): {top.goodput / measured.goodput:.2f}x the measured goodput"
         + (f" (W = {top.workers} extrapolated from W = {W})" if extrapolated(top) else "")
+        + (f"; W = {top.workers} is more workers than this machine's {slots} CPU slots: they "
+           "need more hosts (hvd-scale run -H)" if slots and top.workers > slots else "")
         + (f"; T = {budget:g} baseline steps in {_duration(budget / top.goodput)} at today's "
            f"statistics" if budget else ""),
     ]

@@ -1,7 +1,9 @@
 """``hvd-scale plot``: several runs on one picture (matplotlib, Agg: no display needed).
 
-Panels: gain, effective lr and tau against the optimizer step; a metric (the loss by default)
-against tau. Each run is labelled by its policy and scale from its run.json.
+Panels: the lr factor each step applied (AdaScale's gain r, adascale_adam's sqrt(r), a fixed
+rule's own factor: one quantity for every policy), the effective lr and tau against the
+optimizer step; a metric (the loss by default) against tau. Each run is labelled by its policy
+and scale from its run.json.
 """
 
 from __future__ import annotations
@@ -30,6 +32,19 @@ def read_run(run_dir: str | pathlib.Path) -> tuple[str, dict[str, list[float]]]:
     return label, columns
 
 
+def check_metric(metric: str, run_dirs: Sequence[str], runs: list) -> None:
+    """The metric panel's column: in every run's log, with a value in at least one (else an
+    empty panel would look like a plot)."""
+    missing = [str(d) for d, (_, cols) in zip(run_dirs, runs) if metric not in cols]
+    if missing:
+        raise ValueError(f"--metric {metric!r} is not a column of {', '.join(missing)}; the "
+                         f"columns are {', '.join(runs[0][1])}")
+    if all(all(math.isnan(v) for v in cols[metric]) for _, cols in runs):
+        hint = (" (torch: call opt.log_loss(loss) each step; Keras: ScalingMetrics records "
+                "Keras's loss)") if metric == "loss" else ""
+        raise ValueError(f"--metric {metric!r} has no value in any run's metrics.csv{hint}")
+
+
 def plot_runs(run_dirs: Sequence[str], output: str, metric: str = "loss") -> None:
     import matplotlib
 
@@ -37,8 +52,10 @@ def plot_runs(run_dirs: Sequence[str], output: str, metric: str = "loss") -> Non
     import matplotlib.pyplot as plt
 
     runs = [read_run(d) for d in run_dirs]
+    check_metric(metric, run_dirs, runs)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
-    panels = [(axes[0, 0], "step", "gain", "gain r"), (axes[0, 1], "step", "lr", "effective lr"),
+    panels = [(axes[0, 0], "step", "lr_factor", "lr factor applied (AdaScale: r; adascale_adam: "
+               "sqrt(r))"), (axes[0, 1], "step", "lr", "effective lr"),
               (axes[1, 0], "step", "progress", "tau (baseline steps)"),
               (axes[1, 1], "progress", metric, f"{metric} vs tau")]
     for ax, x, y, title in panels:

@@ -2,6 +2,7 @@
 ranked by goodput as hvd_scale.goodput ranks the same grid."""
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_advise_ranks_the_grid_as_goodput_does(tmp_path):
     assert marked(out, "measured") == [(W, K, 1.0)]
     assert f"recommended: W = {top.workers}, k = {top.passes}, m = {top.micro_batch:g} " in out
     assert "shown: the top 15 of 20 configurations by goodput" in out
+    # #32 item 8: the goodput column says its unit; workers this machine lacks are named.
+    assert "goodput in baseline steps of progress (tau) per second" in out
+    assert ("more workers than this machine's" in out) == (top.workers > os.cpu_count())
 
 
 def test_adascale_adam_caps_the_gain_and_the_measured_row_outside_the_grid_is_shown(tmp_path,

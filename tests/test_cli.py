@@ -101,6 +101,28 @@ def test_plot_of_a_directory_without_metrics_fails_clearly(tmp_path, capsys):
     assert "no metrics.csv" in capsys.readouterr().err
 
 
+def test_plot_refuses_a_metric_it_cannot_draw(tmp_path, capsys):
+    """#32 items 5 and 8: a --metric that is no column, or has no value in any run, is an error
+    (it drew an empty panel and exited 0); the first panel plots the lr factor each step
+    applied, which a fixed rule has too."""
+    from hvd_scale.adapters.log import MetricsLogger
+
+    log_dir = tmp_path / "run"
+    logger = MetricsLogger(log_dir, run_info={"policy": "sqrt", "scale": 4.0}, progress_bar=False,
+                           tensorboard=False)
+    for step in range(1, 6):
+        logger.log({"step": step, "progress": 4.0 * step, "lr_factor": 2.0, "lr": 0.2, "gain": 1.3})
+    logger.close()
+    out = tmp_path / "p.png"
+    assert cli.main(["plot", str(log_dir), "-o", str(out), "--metric", "accuracy"]) == 2
+    err = capsys.readouterr().err
+    assert "--metric 'accuracy' is not a column" in err and "lr_factor" in err
+    assert cli.main(["plot", str(log_dir), "-o", str(out)]) == 2  # no loss was logged
+    assert "'loss' has no value" in capsys.readouterr().err and not out.exists()
+    assert cli.main(["plot", str(log_dir), "-o", str(out), "--metric", "lr_factor"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_run_hands_policy_log_dir_and_cpu_defaults_to_horovodrun(monkeypatch, tmp_path):
     seen = {}
 
