@@ -74,6 +74,8 @@ class Scaling:
             policy needs them or metrics are logged.
         log_dir: per-step metrics on rank 0; None: none (the adapter resolves
             ``$HVD_SCALE_LOG_DIR``: ``environment.log_dir``).
+        log_every: steps between rows (``adapters.log.due``; the adapter resolves
+            ``$HVD_SCALE_LOG_EVERY``: ``environment.log_every``).
         elastic: under Horovod elastic (``environment.elastic``): no collective at set-up, where a
             joining worker builds its optimizer while the others train.
         nonfinite: "skip" a step with non-finite gradients on every rank, or "raise".
@@ -102,7 +104,7 @@ class Scaling:
                  check: Callable[[Policy], None] | None = None, elastic: bool = False,
                  lr_names: Sequence[str] | None = None, eps_placement: str = EPS_CORRECTED,
                  adapt: str | None = None, max_passes: int | None = None,
-                 adapt_every: int = ADAPT_EVERY):
+                 adapt_every: int = ADAPT_EVERY, log_every: int | None = None):
         self.hvd = hvd
         self.elastic = elastic
         self.lr_names = tuple(lr_names) if lr_names is not None else \
@@ -148,7 +150,7 @@ class Scaling:
             log_dir, rank=hvd.rank, budget=self.policy.budget,  # rank 0 of the moment writes
             run_info={"policy": self.policy.spec, "scale": self.policy.scale,
                       "workers": hvd.size(), "backward_passes_per_step": self.passes,
-                      "optimizer": optimizer_name, "framework": framework})
+                      "optimizer": optimizer_name, "framework": framework}, every=log_every)
         self._world_size = hvd.size()
         self.last_lr = math.nan
         self.last_step: StepInfo | None = None  # what the latest accounted step applied
@@ -212,7 +214,7 @@ class Scaling:
         self.last_lr = float(base_lr) * info.lr_factor
         self.last_step = info
         if self.logger is not None:
-            self.logger.log(self.metrics())
+            self.logger.step(self.policy.steps, self.metrics)
         return info.lr_factor
 
     def plan(self, statistics, finite, user_settings, loss_scale: float | None = None) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from hvd_scale.metrics import LOG_DIR_ENV
+from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
 
 
 def elastic() -> bool:
@@ -16,3 +16,19 @@ def elastic() -> bool:
 def log_dir(given: str | None) -> str | None:
     """Where rank 0 writes the per-step metrics: ``given``, else ``$HVD_SCALE_LOG_DIR``, else none."""
     return given or os.environ.get(LOG_DIR_ENV) or None
+
+
+def log_every() -> int | None:
+    """Steps between metrics rows: ``$HVD_SCALE_LOG_EVERY`` (``hvd-scale run --log-every``), else
+    None (``adapters.log.due``'s default)."""
+    value = os.environ.get(LOG_EVERY_ENV)
+    if not value:
+        return None
+    try:
+        every = int(value)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ValueError(f"${LOG_EVERY_ENV}={value!r} (set by hvd-scale run --log-every, or in the "
+                         "environment) must be an integer >= 1 (steps between metrics rows)")
+    return every

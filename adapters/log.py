@@ -2,7 +2,8 @@
 
 Files in a log directory:
     run.json        policy spec, scale, workers, budget: what ``hvd-scale plot`` labels runs with
-    metrics.csv     one row per optimizer step, the columns of ``hvd_scale.metrics.METRICS`` in order
+    metrics.csv     one row per optimizer step (thinned on long runs: ``due``), the columns of
+                    ``hvd_scale.metrics.METRICS`` in order
     tb/             TensorBoard scalars under ``hvd_scale/<name>``, written by tensorboardX (imported
                     when the first row is written; it never imports TensorFlow)
 
@@ -30,6 +31,17 @@ from hvd_scale.metrics import METRICS, check_names
 _TB_FILES = itertools.count()
 # Seconds between flushes of the TensorBoard file, so TensorBoard follows a run as it goes.
 TB_FLUSH_SECS = 10
+
+
+def due(step: float, every: int | None = None) -> bool:
+    """Is this step's row written? ``every`` N: steps 1, N, 2N, ...; None (the default): every
+    step up to 1,000, every 10th up to 10,000, every 100th after, so a 500,000-step job writes
+    ~7,000 rows while short runs (and a long run's start) keep each step. The last step of a
+    log is written at ``close`` whatever it is."""
+    step = int(step)
+    if every is None:
+        every = 1 if step <= 1_000 else 10 if step <= 10_000 else 100
+    return step == 1 or step % every == 0
 
 
 def _float(value: Any) -> float:
@@ -60,7 +72,11 @@ class MetricsLogger:
 
     def __init__(self, log_dir: str | os.PathLike, *, rank: int | Callable[[], int] = 0,
                  run_info: Mapping | None = None, budget: float | None = None,
-                 progress_bar: bool = True, tensorboard: bool = True):
+                 progress_bar: bool = True, tensorboard: bool = True, every: int | None = None):
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"log every must be an integer >= 1 (steps between rows), got {every!r}")
+        self.every = every
+        self._unwritten: Callable[[], Mapping[str, Any]] | None = None
         self.log_dir = pathlib.Path(log_dir)
         self._rank = rank if callable(rank) else (lambda: rank)
         self._run_info = dict(run_info or {})
@@ -80,6 +96,15 @@ class MetricsLogger:
     def set_loss(self, loss: Any) -> None:
         """Keep the step's loss (a float or a tensor) for the next row; read only when written."""
         self._pending_loss = loss
+
+    def step(self, step: float, metrics: Callable[[], Mapping[str, Any]]) -> None:
+        """An optimizer step: its row (``metrics()``, called only then) if ``due``, else kept
+        to be written at ``close`` should it be the last."""
+        if due(step, self.every):
+            self._unwritten = None
+            self.log(metrics())
+        else:
+            self._unwritten = metrics
 
     def log(self, metrics: Mapping[str, Any]) -> None:
         """Write one row; every key must be a name of ``METRICS`` (the logger adds ``time``)."""
@@ -171,6 +196,12 @@ class MetricsLogger:
         self._csv_file = self._tb = self._bar = None
 
     def close(self) -> None:
+        last, self._unwritten = self._unwritten, None
+        if last is not None and not self.closed:
+            try:  # the run's last step, whatever the interval (its row still describes the state)
+                self.log(last())
+            except Exception as e:  # noqa: BLE001 (also at exit: never fail the job over a row)
+                warnings.warn(f"hvd_scale: the last step's metrics row was not written: {e}")
         self._close_files()
         self.closed = True
 

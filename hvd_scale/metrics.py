@@ -14,6 +14,8 @@ from __future__ import annotations
 
 # The log directory, handed to the workers by `hvd-scale run` and read by the adapters.
 LOG_DIR_ENV = "HVD_SCALE_LOG_DIR"
+# Write every N-th step's row (``hvd-scale run --log-every``); unset: ``adapters.log.due``'s default.
+LOG_EVERY_ENV = "HVD_SCALE_LOG_EVERY"
 
 # name -> meaning; the order is the CSV's. "Latest step" is the optimizer step just applied, so
 # ``lr_factor`` and ``lr`` are what that step used, never a forecast of the next one.

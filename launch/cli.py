@@ -85,6 +85,10 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         except ValueError as e:
             print(f"hvd-scale run: bad --policy: {e}", file=sys.stderr)
             return 2
+    if args.log_every is not None and args.log_every < 1:
+        print(f"hvd-scale run: --log-every must be an integer >= 1 (steps between metrics rows), "
+              f"got {args.log_every}", file=sys.stderr)
+        return 2
     problem = _check_engine_options(args)
     if problem:
         return _usage_error(problem)
@@ -103,7 +107,7 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         return engines.run_command(command, np=np_, engine=args.engine, policy=args.policy,
                                    log_dir=args.log_dir, min_np=args.min_np, max_np=args.max_np,
-                                   **options)
+                                   log_every=args.log_every, **options)
     except engines.EngineUnavailable as e:
         print(f"hvd-scale run: {e}", file=sys.stderr)
         return 127
@@ -229,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="The policy spec, for example adascale or warmup:fraction=0.055.")
     run.add_argument("--log-dir", default=None,
                      help="Where rank 0 writes per-step metrics (CSV and TensorBoard).")
+    run.add_argument("--log-every", type=int, default=None, metavar="N",
+                     help="Write every N-th step's metrics row (default: every step up to 1,000, "
+                          "every 10th up to 10,000, every 100th after; the last step always).")
     run.add_argument("--min-np", type=int, default=None,
                      help="Elastic: the fewest workers the job runs with (horovodrun, ray).")
     run.add_argument("--max-np", type=int, default=None,

@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from hvd_scale.launch.jobs import (CPU_ENV_DEFAULTS, GPU_ENV_DEFAULTS,  # noqa: F401
                                    find_horovodrun, horovodrun_command)
-from hvd_scale.metrics import LOG_DIR_ENV
+from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
 from hvd_scale.policies import POLICY_ENV, parse_spec
 
 # Device files of NVIDIA's and AMD's (ROCm) drivers: there without importing a framework.
@@ -144,7 +144,8 @@ class Engine(Protocol):
 # The shared half: calls only the hooks above.
 
 def worker_env(policy: str | None = None, log_dir: str | os.PathLike | None = None,
-               environ: Mapping[str, str] | None = None, gpu: bool | None = None) -> dict[str, str]:
+               environ: Mapping[str, str] | None = None, gpu: bool | None = None,
+               log_every: int | None = None) -> dict[str, str]:
     """The variables hvd_scale hands every worker: CPU_ENV_DEFAULTS, or GPU_ENV_DEFAULTS where the
     driver has a GPU (``gpu``; default ``driver_has_gpu()``), each unless the driver's environment
     sets it; the policy spec and the absolute log directory (created here)."""
@@ -157,11 +158,17 @@ def worker_env(policy: str | None = None, log_dir: str | os.PathLike | None = No
     if log_dir is not None:
         env[LOG_DIR_ENV] = os.path.abspath(os.fspath(log_dir))
         os.makedirs(env[LOG_DIR_ENV], exist_ok=True)
+    if log_every is not None:
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"log_every must be an integer >= 1 (steps between metrics rows), "
+                             f"got {log_every!r}")
+        env[LOG_EVERY_ENV] = str(log_every)
     return env
 
 
 def make_job(np: int | None = None, policy: str | None = None, log_dir=None,
-             min_np: int | None = None, max_np: int | None = None) -> Job:
+             min_np: int | None = None, max_np: int | None = None,
+             log_every: int | None = None) -> Job:
     """A Job after checking the numbers; ValueError names what is wrong."""
     for name, value in (("np", np), ("min_np", min_np), ("max_np", max_np)):
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -172,7 +179,8 @@ def make_job(np: int | None = None, policy: str | None = None, log_dir=None,
         raise ValueError(f"min_np must be <= max_np, got min_np={min_np}, max_np={max_np}")
     if np is None and min_np is None:
         np = DEFAULT_NP
-    return Job(np=np, env=worker_env(policy, log_dir), min_np=min_np, max_np=max_np)
+    return Job(np=np, env=worker_env(policy, log_dir, log_every=log_every), min_np=min_np,
+               max_np=max_np)
 
 
 def make_engine(engine: str | Engine, **options: Any) -> Engine:
@@ -214,11 +222,12 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), np: int | None = None,
 
 def run_command(command: Sequence[str], np: int | None = None, engine: str | Engine = "horovodrun",
                 policy: str | None = None, log_dir=None, *, min_np: int | None = None,
-                max_np: int | None = None, **engine_options: Any) -> int:
+                max_np: int | None = None, log_every: int | None = None,
+                **engine_options: Any) -> int:
     """Run an unchanged training command on np workers of `engine`; its exit status."""
     if not command:
         raise ValueError("give the command to run")
-    job = make_job(np, policy, log_dir, min_np, max_np)
+    job = make_job(np, policy, log_dir, min_np, max_np, log_every)
     eng = make_engine(engine, **engine_options)
     earlier = {p.pid for p in _below([_this_process()])}  # not the job's: never stopped
     with _StopOnSignals() as stop:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -246,3 +247,50 @@ def test_state_record_is_frozen_and_a_step_replaces_it():
     again, info = policy.transition(before, [8.0], [1.25], 4, scale=4)
     np.testing.assert_array_equal(again.to_vector(1), policy.state.to_vector(1))
     assert info.step == 1 and before.steps == 0
+
+
+def test_log_interval_keeps_a_long_run_small_and_its_last_step(tmp_path):
+    """#32 item 7: every step up to 1,000, every 10th to 10,000, every 100th after (a 20,000-step
+    job: 2,000 rows, not 20,000); metrics() is called only for rows written; the last step is
+    written at close whatever the interval; --log-every N reaches the workers."""
+    from hvd_scale.adapters import environment
+    from hvd_scale.adapters.log import due
+    from hvd_scale.launch.engines import worker_env
+
+    assert sum(due(s) for s in range(1, 20_001)) == 1_000 + 900 + 100
+    logger = MetricsLogger(tmp_path / "default", progress_bar=False, tensorboard=False)
+    calls = []
+
+    def metrics_at(step):
+        def read():
+            calls.append(step)
+            return {"step": step, "progress": 2.0 * step}
+        return read
+
+    for step in range(1, 1_206):
+        logger.step(step, metrics_at(step))
+    logger.close()
+    with open(tmp_path / "default" / "metrics.csv") as f:
+        steps = [int(float(r["step"])) for r in csv.DictReader(f)]
+    assert steps == list(range(1, 1_001)) + list(range(1_010, 1_201, 10)) + [1_205]
+    assert calls == steps  # rows not written cost no metrics() call
+    every = MetricsLogger(tmp_path / "seven", progress_bar=False, tensorboard=False, every=7)
+    for step in range(1, 21):
+        every.step(step, metrics_at(step))
+    every.close()
+    with open(tmp_path / "seven" / "metrics.csv") as f:
+        assert [int(float(r["step"])) for r in csv.DictReader(f)] == [1, 7, 14, 20]
+    with pytest.raises(ValueError, match="log every must be an integer >= 1.*got 0"):
+        MetricsLogger(tmp_path / "x", every=0)
+    env = worker_env(log_every=50, environ={}, gpu=False)
+    assert env["HVD_SCALE_LOG_EVERY"] == "50"
+    with pytest.raises(ValueError, match="log_every must be an integer >= 1"):
+        worker_env(log_every=-1, environ={}, gpu=False)
+    os.environ["HVD_SCALE_LOG_EVERY"] = "x"
+    try:
+        with pytest.raises(ValueError, match=r"\$HVD_SCALE_LOG_EVERY='x'.*--log-every"):
+            environment.log_every()
+        os.environ["HVD_SCALE_LOG_EVERY"] = "25"
+        assert environment.log_every() == 25
+    finally:
+        del os.environ["HVD_SCALE_LOG_EVERY"]

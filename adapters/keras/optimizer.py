@@ -139,7 +139,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         scaling = Scaling(backend.hvd, policy=policy, passes=backward_passes_per_step, scale=scale,
                           budget=budget, optimizer_name=optimizer_name,
                           framework=f"keras/{backend.name}", groups=GROUPS, measure=measure,
-                          log_dir=environment.log_dir(log_dir), nonfinite=nonfinite,
+                          log_dir=environment.log_dir(log_dir), log_every=environment.log_every(),
+                          nonfinite=nonfinite,
                           base_lrs=base_lrs, agreed=agreed, elastic=environment.elastic(),
                           eps_placement=EPS_RAW)
         if scaling.policy.statistics == "preconditioned" and \

@@ -212,6 +212,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                                framework="torch", groups=len(optimizer.param_groups),
                                base_lrs=[g.get("lr") for g in optimizer.param_groups],
                                measure=measure, log_dir=environment.log_dir(log_dir),
+                               log_every=environment.log_every(),
                                nonfinite=nonfinite, short_steps=True, guard=guard,
                                check=lambda _: _check_op(op), elastic=environment.elastic(),
                                lr_names=[f"param_groups[{i}]['lr']"
