@@ -8,6 +8,7 @@ apply. No framework is imported here: the Horovod module is passed in (``Horovod
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -156,6 +157,18 @@ class Scaling:
         self.last_step: StepInfo | None = None  # what the latest accounted step applied
         self._state_agreed = False  # agree_on_state() ran
         self._skips_in_a_row = 0
+        if hvd.rank() == 0:  # what runs, said once: the policy is often chosen by a flag
+            print(self.start_line(log_dir), file=sys.stderr, flush=True)
+
+    def start_line(self, log_dir: str | None) -> str:
+        policy = self.policy
+        how = (f"the gain measured each step from {self._world_size * self.passes} "
+               "micro-gradients" if policy.uses_statistics else "a fixed factor")
+        return (f"hvd_scale: policy {policy.spec} at S = {policy.scale:g} ({self._world_size} "
+                f"worker(s) x {self.passes} pass(es)), {how}; "
+                + (f"budget T = {policy.budget:g} baseline steps" if policy.budget else
+                   "no budget (no progress bar; the loop decides when to stop)")
+                + (f"; metrics in {log_dir}" if log_dir else ""))
 
     # -- the host side of a step -------------------------------------------------------------------
     def step(self, statistics: Sequence[float] | np.ndarray | None, *, base_lr: float,

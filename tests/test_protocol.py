@@ -181,6 +181,20 @@ def test_statistics_must_count_workers_times_passes():
         opt.step()
 
 
+def test_rank_0_says_what_runs_at_the_start(capsys, tmp_path):
+    """#32 item 6: one line on rank 0 with the policy, S and how its factor comes about."""
+    ToyOptimizer(np.zeros(3), passes=2)
+    err = capsys.readouterr().err
+    assert err == ("hvd_scale: policy adascale at S = 2 (1 worker(s) x 2 pass(es)), the gain "
+                   "measured each step from 2 micro-gradients; no budget (no progress bar; the "
+                   "loop decides when to stop)\n")
+    Scaling(OneProcess(), policy="linear", passes=2, scale=None, budget=100, optimizer_name="SGD",
+            framework="toy", base_lrs=[LR], log_dir=str(tmp_path))
+    assert capsys.readouterr().err == (f"hvd_scale: policy linear at S = 2 (1 worker(s) x 2 "
+                                       f"pass(es)), a fixed factor; budget T = 100 baseline steps; "
+                                       f"metrics in {tmp_path}\n")
+
+
 def test_step_without_backward_says_what_to_call():
     """#32 item 6: step() with no backward pass names the fix."""
     opt = ToyOptimizer(np.zeros(3), passes=2)
