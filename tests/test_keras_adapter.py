@@ -141,9 +141,11 @@ def test_fit_trains_in_sync_and_stops_at_the_budget(backend_results):
     # BroadcastInitialState: ranks were initialised differently, start (and end) identical.
     assert r0["start_hash"] == r1["start_hash"]
     assert r0["hash"] == r1["hash"], "replicas diverged"
-    # Loss goes down.
+    # Loss goes down; ScalingMetrics averages Keras's epoch metrics over the ranks (#32 item 5,
+    # Horovod's MetricAverageCallback): each rank's History holds the job's.
     for r in (r0, r1):
         assert r["losses"][-1] < 0.8 * r["losses"][0], r["losses"]
+    assert r0["losses"] == r1["losses"]
     # Gains equal on every rank, within [1, S], measured (not all 1).
     assert r0["rows"] == r1["rows"]
     gains = [row["gain"] for row in r0["rows"]]
@@ -247,6 +249,8 @@ def test_bad_arguments_error_on_every_rank(results):
         assert "rank 1" in e["one_bad"] and "'x'" in e["one_bad"]
         assert "DistributedOptimizer" in e["elastic_plain_optimizer"] and "SGD" in e["elastic_plain_optimizer"]
         assert "batches_per_commit" in e["commit_every_0"] and "0" in e["commit_every_0"]
+        # #32 item 5: Horovod's own arguments say what to do with them.
+        assert "`average_aggregated_gradients`: drop it" in e["horovod_args"]
         # #32 item 3: a Keras 2 callback reading optimizer.lr (Horovod's lr callbacks, which
         # scale the lr by the workers again) is told why to drop it; Horovod 0.28.1's own fail
         # on Keras 3 before that (keras.backend.get_value is gone): the guide says to drop them.

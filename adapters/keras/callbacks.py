@@ -109,14 +109,20 @@ class ScalingMetrics(_PreparesModel):
     are what the latest step applied). With ``budget`` (baseline steps; default the
     optimizer's), sets ``model.stop_training`` after the batch whose step takes tau to the
     budget: tau is the same on every rank, so every rank stops at the same batch.
+
+    ``average_metrics`` (default True): Keras's own epoch metrics (loss, accuracy, val_*: each
+    rank's over its shard) become their mean over the ranks at each epoch's end, as Horovod's
+    ``MetricAverageCallback`` does, so rank 0's bar and History speak for the job.
     """
 
     KEYS = LOGS_METRICS
 
-    def __init__(self, budget: float | None = None, batch_logs: bool = True):
+    def __init__(self, budget: float | None = None, batch_logs: bool = True,
+                 average_metrics: bool = True):
         super().__init__()
         self.budget = budget
         self.batch_logs = batch_logs
+        self.average_metrics = average_metrics
 
     def _optimizer(self) -> DistributedOptimizer:
         opt = self.model.optimizer
@@ -138,5 +144,20 @@ class ScalingMetrics(_PreparesModel):
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs.update(self._values())
+        if logs is None:
+            return
+        hvd = backends.current().hvd
+        if self.average_metrics and hvd.size() > 1 and not elastic():
+            own = {k: float(v) for k, v in logs.items() if k not in self.KEYS and _number(v)}
+            seen = hvd.allgather_object(own, name="hvd_scale.epoch_metrics")
+            logs.update({k: sum(rank[k] for rank in seen) / len(seen) for k in own
+                         if all(k in rank for rank in seen)})
+        logs.update(self._values())
+
+
+def _number(value) -> bool:
+    try:
+        float(value)
+        return True
+    except (TypeError, ValueError):
+        return False

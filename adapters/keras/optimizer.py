@@ -76,6 +76,18 @@ def _lr_for_agreement(owner: keras.optimizers.Optimizer) -> tuple[dict, dict]:
     return {}, {}
 
 
+# horovod.tensorflow.keras.DistributedOptimizer's arguments that this one does not take, and why.
+_HOROVOD_ARGS = {
+    "average_aggregated_gradients": "drop it: the mean of the k micro-gradients is always what is "
+                                    "applied (its True)",
+    **{arg: "not supported in Keras (the torch adapter takes it)"
+       for arg in ("compression", "op", "gradient_predivide_factor", "sparse_as_dense", "groups",
+                   "process_set")},
+    **{arg: "not supported in Keras" for arg in ("device_dense", "device_sparse", "num_groups",
+                                                 "scale_local_gradients")},
+}
+
+
 @keras.saving.register_keras_serializable(package="hvd_scale", name="DistributedOptimizer")
 class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     """Wrap any Keras 3 optimizer: Horovod gradient averaging plus an lr scaling policy.
@@ -120,6 +132,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                              "training is supported by the torch adapter "
                              "(hvd_scale.adapters.torch.DistributedOptimizer(..., adapt='goodput', "
                              "max_passes=K)); in Keras, set backward_passes_per_step")
+        known = [f"`{arg}`: {_HOROVOD_ARGS[arg]}" for arg in kwargs if arg in _HOROVOD_ARGS]
+        if known:  # hvd.DistributedOptimizer's arguments, met when a Horovod script is converted
+            raise ValueError("DistributedOptimizer does not take Horovod's " + "; ".join(known))
         if kwargs:
             raise ValueError(f"DistributedOptimizer does not support arguments: "
                              f"`{'`, `'.join(kwargs)}`.")

@@ -476,6 +476,8 @@ def case_bad_policy():
                                                 policy=["adascale", "sqrt:x=1"][hvd.rank()]),
         "elastic_plain_optimizer": lambda: ElasticState(make_model(), keras.optimizers.SGD(LR)),
         "commit_every_0": lambda: CommitState(None, batches_per_commit=0),
+        "horovod_args": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="linear",
+                                                     average_aggregated_gradients=True),
         "read_lr": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="linear").lr,
         "horovod_warmup": horovod_lr_callback,
     }
