@@ -1,0 +1,42 @@
+"""The conversion guide's pair (#32): a Horovod script (examples/horovod_torch_before.py) and its
+conversion (examples/horovod_torch_after.py), both run for real with np 2. Under
+`hvd-scale run --policy linear` the converted script trains the same steps at the same lr as the
+original (lr x hvd.size()), so their test losses agree; the default policy runs too."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdrun import REPO_ROOT, requires_horovod, run_horovod, run_process, worker_env
+
+pytestmark = [requires_horovod]
+HVD_SCALE = Path(sys.executable).parent / "hvd-scale"
+EXAMPLES = REPO_ROOT / "examples"
+
+
+def test_loss(out: str) -> float:
+    losses = re.findall(r"test loss ([0-9.]+)", out)
+    assert len(losses) == 1, out[-2000:]
+    return float(losses[0])
+
+
+test_loss.__test__ = False  # a helper, not a test
+
+
+@pytest.mark.timeout(400)
+def test_a_converted_horovod_script_under_linear_trains_as_the_original():
+    before = run_horovod([sys.executable, str(EXAMPLES / "horovod_torch_before.py"), "--epochs", "2"],
+                         np=2, timeout=180)
+    after = run_process([str(HVD_SCALE), "run", "-np", "2", "--gloo", "--policy", "linear", "--",
+                         sys.executable, str(EXAMPLES / "horovod_torch_after.py"), "--epochs", "2"],
+                        timeout=180, env=worker_env(), what="hvd-scale run")
+    assert "hvd_scale: policy linear at S = 2" in after.stderr
+    assert test_loss(after.stdout) == pytest.approx(test_loss(before.stdout), rel=1e-5)
+    # The flag alone swaps the policy: adascale (the default) on the same script.
+    ada = run_process([str(HVD_SCALE), "run", "-np", "2", "--gloo", "--", sys.executable,
+                       str(EXAMPLES / "horovod_torch_after.py"), "--epochs", "2"],
+                      timeout=180, env=worker_env(), what="hvd-scale run")
+    assert "hvd_scale: policy adascale at S = 2" in ada.stderr
+    assert test_loss(ada.stdout) < 2.0  # trained (chance is ln 10 = 2.30)
