@@ -4,6 +4,7 @@
 #   make test    the whole test suite, real multi-process Horovod jobs included
 #   make demo    a 2-process horovodrun MNIST-1D training run with AdaScale, and its summary
 #   make smoke   a 2-process Horovod job without hvd_scale
+#   make docs    the documentation site, built strict into site/ (tests/test_docs.py builds it too)
 #   make clean   remove caches and build leftovers (keeps .venv; `make distclean` removes it too)
 
 SHELL := /bin/bash
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.hvd_scale_ready
 TEST_TIMEOUT ?= 3600
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo smoke clean distclean
+.PHONY: setup test demo smoke docs clean distclean
 
 setup: $(STAMP)
 
@@ -37,9 +38,13 @@ demo: setup
 smoke: setup
 	$(VENV)/bin/horovodrun --gloo -np 2 -H localhost:2 $(PYTHON) examples/horovod_smoke.py
 
+# The documentation site (mkdocs.yml, docs/): strict, so a broken link or reference fails; offline.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean -d site
+
 clean:
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf
-	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf build dist site *.egg-info .pytest_cache .hypothesis
 
 distclean: clean
 	rm -rf $(VENV)

@@ -1,0 +1,249 @@
+"""The documentation site (mkdocs.yml, docs/) and the code blocks of README.md and docs/.
+
+1. The site builds with ``mkdocs build --strict`` (a broken link, a missing API object or an
+   unknown generated section fails it), its generated pages hold what the code says (every policy
+   of the engine's registry, every ``hvd-scale`` command), and the built HTML loads nothing from
+   elsewhere: no script, style sheet or font from another host.
+2. Every fenced code block tagged ``python``, ``pycon``, ``bash``, ``sh``, ``shell`` or
+   ``console`` in README.md and docs/**/*.md is run, unless the line before its fence says why
+   not::
+
+       <!-- not run: needs a horovodrun job -->
+
+   ``<!-- run -->`` there says a block is meant to run (the default). How each kind runs:
+   ``python``, a script of its own; ``pycon``, a doctest (its printed values are checked);
+   ``bash``/``sh``/``shell``, ``bash -euo pipefail``; ``console``, the ``$ `` lines as commands,
+   and each other line must appear in their output, in order (``...`` stands for any text). Each runs in a fresh process in an
+   empty directory, with the venv's scripts first on PATH and no policy or log directory in the
+   environment (``hvd-scale run --policy`` would set them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DOCS = REPO_ROOT / "docs"
+REQUIRE_ENV_VAR = "HVD_SCALE_REQUIRE_HOROVOD"  # set by `make test`: the docs extra must be there
+
+# Languages whose blocks are run, and how.
+RUNNABLE = {"python": "python", "py": "python", "pycon": "pycon", "bash": "bash", "sh": "bash",
+            "shell": "bash", "console": "console"}
+BLOCK_TIMEOUT_S = 120
+BUILD_TIMEOUT_S = 240
+# The environment a block must not inherit: the launcher's hand-over to the workers.
+DROPPED_ENV = ("HVD_SCALE_POLICY", "HVD_SCALE_LOG_DIR", "HOROVOD_RANK", "HOROVOD_SIZE")
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
+MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not[ -]run|run)\b\s*:?\s*(?P<reason>.*?)\s*-->\s*$",
+                    re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int              # 1-based line of the opening fence
+    language: str          # the info string's first word, lower case
+    code: str
+    marker: str | None     # 'run', 'not run' or None
+    reason: str            # a not-run marker's reason
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(REPO_ROOT)}:{self.line}"
+
+
+def code_blocks(path: Path) -> list[Block]:
+    """The fenced code blocks of a Markdown file, each with the marker on the line before its
+    fence (blank lines between them allowed)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, info = m.group("indent"), m.group("fence"), m.group("info").strip()
+        body, j = [], i + 1
+        closing = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        while j < len(lines) and not closing.match(lines[j]):
+            text = lines[j]
+            body.append(text[len(indent):] if text.startswith(indent) else text.lstrip())
+            j += 1
+        k = i - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        marker = MARKER.match(lines[k]) if k >= 0 else None
+        language = info.split()[0].lower().lstrip(".{") if info else ""
+        blocks.append(Block(path, i + 1, language, "\n".join(body) + "\n",
+                            None if marker is None else
+                            ("run" if marker.group("kind").lower() == "run" else "not run"),
+                            marker.group("reason") if marker else ""))
+        i = j + 1
+    return blocks
+
+
+def documents() -> list[Path]:
+    return [REPO_ROOT / "README.md"] + sorted(
+        p for p in DOCS.rglob("*.md") if "screenshots" not in p.relative_to(DOCS).parts)
+
+
+ALL_BLOCKS = [b for doc in documents() for b in code_blocks(doc) if b.language in RUNNABLE]
+TO_RUN = [b for b in ALL_BLOCKS if b.marker != "not run"]
+
+
+def block_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("KERAS_BACKEND", "tensorflow")
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return env
+
+
+def console_script(code: str) -> tuple[str, list[str]]:
+    """A console block's commands (``$ `` lines, with ``\\`` continuations) and expected lines."""
+    commands, expected, continued = [], [], False
+    for line in code.splitlines():
+        if continued:
+            commands[-1] += "\n" + line
+        elif line.startswith("$ "):
+            commands.append(line[2:])
+        elif line.strip():
+            expected.append(line.strip())
+            continue
+        else:
+            continue
+        continued = line.rstrip().endswith("\\")
+    return "\n".join(commands) + "\n", expected
+
+
+def run_block(block: Block, workdir: Path) -> subprocess.CompletedProcess:
+    kind = RUNNABLE[block.language]
+    if kind == "python":
+        (workdir / "block.py").write_text(block.code)
+        argv = [sys.executable, "block.py"]
+    elif kind == "pycon":
+        (workdir / "block.txt").write_text(block.code)
+        argv = [sys.executable, "-m", "doctest", "-o", "ELLIPSIS", "-o", "NORMALIZE_WHITESPACE",
+                "block.txt"]
+    else:
+        script = console_script(block.code)[0] if kind == "console" else block.code
+        (workdir / "block.sh").write_text(script)
+        argv = ["bash", "-euo", "pipefail", "block.sh"]
+    return subprocess.run(argv, cwd=workdir, env=block_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=BLOCK_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)  # one stream: a console block's order
+
+
+def test_documents_have_runnable_blocks():
+    """The collector finds the blocks (a parser that found none would pass everything)."""
+    assert TO_RUN, "no runnable code block found in README.md or docs/"
+    assert any(b.path.parent == DOCS for b in TO_RUN)
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.marker == "not run"],
+                         ids=lambda b: b.where)
+def test_a_block_not_run_says_why(block):
+    assert len(block.reason) >= 3, (
+        f"{block.where}: a block marked not run must say why: <!-- not run: REASON -->")
+
+
+@pytest.mark.parametrize("block", TO_RUN, ids=lambda b: f"{b.where}-{b.language}")
+def test_code_block_runs(block, tmp_path):
+    done = run_block(block, tmp_path)
+    output = done.stdout
+    hint = (f"\n{block.where}: this ```{block.language} block failed (exit {done.returncode}). "
+            "If it cannot run on its own (it needs a model, a horovodrun job, data), say so on the "
+            "line before its fence: <!-- not run: REASON -->\n")
+    assert done.returncode == 0, hint + output[-4000:]
+    if RUNNABLE[block.language] == "console":
+        position = 0
+        for line in console_script(block.code)[1]:
+            for piece in filter(None, (p.strip() for p in line.split("..."))):
+                found = output.find(piece, position)
+                assert found >= 0, f"{block.where}: expected output {piece!r} (of the line " \
+                                   f"{line!r}) not found, in order, in:\n{output[-4000:]}"
+                position = found + len(piece)
+
+
+# -- the site -------------------------------------------------------------------------------------
+
+EXTERNAL_ASSET = [
+    re.compile(r"<script\b[^>]*\bsrc\s*=\s*[\"']?(?:https?:)?//", re.IGNORECASE),
+    re.compile(r"<link\b[^>]*\bhref\s*=\s*[\"']?(?:https?:)?//", re.IGNORECASE),
+    re.compile(r"<img\b[^>]*\bsrc\s*=\s*[\"']?(?:https?:)?//", re.IGNORECASE),
+    re.compile(r"@import\s+(?:url\()?[\"']?(?:https?:)?//", re.IGNORECASE),
+    re.compile(r"fonts\.(?:googleapis|gstatic)\.com", re.IGNORECASE),
+]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    try:
+        import mkdocs  # noqa: F401
+        import material  # noqa: F401
+        import mkdocstrings  # noqa: F401
+    except ImportError as e:
+        message = f"the docs extra is not installed ({e}): pip install -e '.[docs]' (make setup)"
+        if os.environ.get(REQUIRE_ENV_VAR, "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{message} ({REQUIRE_ENV_VAR} is set)")
+        pytest.skip(message)
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--clean",
+                           "-f", str(REPO_ROOT / "mkdocs.yml"), "-d", str(out)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT_S)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}{done.stderr}"
+    print(f"site built in {time.monotonic() - start:.1f} s")
+    return out
+
+
+def test_site_builds_strict_with_every_page(site):
+    for page in ("index.html", "getting-started.html", "concepts.html", "torch.html", "keras.html",
+                 "converting.html", "policies.html", "cli.html", "troubleshooting.html",
+                 "benchmarks.html", "report/index.html", "changelog.html", "api/engine.html",
+                 "api/torch.html", "api/keras.html"):
+        assert (site / page).is_file(), page
+
+
+def test_site_loads_nothing_from_elsewhere(site):
+    found = []
+    for path in sorted(site.rglob("*")):
+        if path.suffix in (".html", ".css"):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            for pattern in EXTERNAL_ASSET:
+                found += [f"{path.relative_to(site)}: {m.group(0)}" for m in pattern.finditer(text)]
+    assert found == []
+
+
+def test_generated_pages_follow_the_code(site):
+    from hvd_scale import describe_policies
+    from hvd_scale.launch.cli import build_parser
+    from hvd_scale.metrics import METRICS
+
+    policies = (site / "policies.html").read_text()
+    for name, description, options in describe_policies():
+        assert f"<code>{name}</code>" in policies, name
+        for option in options:
+            assert f"<code>{option}</code>" in policies, (name, option)
+    cli = (site / "cli.html").read_text()
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in commands:
+        assert f"hvd-scale {name}" in cli, name
+    assert "--policy" in cli and "--log-dir" in cli
+    metrics = (site / "metrics.html").read_text()
+    assert all(f"<code>{name}</code>" in metrics for name in METRICS)
+    # The benchmark report is the repository's, with its plots.
+    assert (site / "report" / "results" / "quality_accuracy.png").is_file()
+    assert "<!-- generated:" not in policies + cli + metrics
