@@ -7,6 +7,8 @@ What the site shows that the code already says is generated here at build time, 
 * ``<!-- generated: cli -->``: each ``hvd-scale`` command's usage and help, from the argparse
   parser that the command line itself uses (``hvd_scale.launch.cli.build_parser()``);
 * ``<!-- generated: metrics -->``: the columns of ``metrics.csv``, from ``hvd_scale.metrics.METRICS``;
+* ``<!-- generated: conversion-diff -->``: examples/horovod_torch_before.py against its conversion,
+  examples/horovod_torch_after.py, as a diff;
 * ``report/``: benchmarks/README.md and benchmarks/results/ (reports and plots) mirrored into the
   site as they are in the repository, so numbers are read from the results files themselves;
 * the API reference's sources: ``hvd_scale.adapters`` and ``hvd_scale.launch`` are installed from
@@ -147,19 +149,50 @@ def _columns(width: int):
             os.environ["COLUMNS"] = before
 
 
+HELP_WIDTH = 100
+
+
+def _wrap_usage(help_text: str) -> str:
+    """A usage line that a parser gives as one string (``hvd-scale run``'s) is not wrapped by
+    argparse: wrap it as argparse would, continuation lines under the first option."""
+    lines = []
+    for line in help_text.splitlines():
+        if not (line.startswith("usage: ") and len(line) > HELP_WIDTH):
+            lines.append(line)
+            continue
+        tokens, depth = [], 0  # an option in brackets is one token: "[--policy SPEC]"
+        for word in line.split(" "):
+            if depth > 0:
+                tokens[-1] += " " + word
+            else:
+                tokens.append(word)
+            depth += word.count("[") - word.count("]")
+        indent = " " * len(" ".join(tokens[:3]) + " ")  # under the first option
+        current = " ".join(tokens[:3])
+        for token in tokens[3:]:
+            if len(current) + 1 + len(token) > HELP_WIDTH:
+                lines.append(current)
+                current = indent + token
+            else:
+                current += " " + token
+        lines.append(current)
+    return "\n".join(lines)
+
+
 def cli_markdown() -> str:
     from hvd_scale.launch.cli import build_parser
 
-    with _columns(100):
+    with _columns(HELP_WIDTH):
         parser = build_parser()
-        out = ["## `hvd-scale`", "", "```text", parser.format_help().rstrip(), "```", ""]
+        out = ["## `hvd-scale`", "", "```text", _wrap_usage(parser.format_help().rstrip()),
+               "```", ""]
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         summaries = {a.dest: a.help for a in commands._choices_actions}
         for name, sub in commands.choices.items():
             out += [f"## `hvd-scale {name}`", ""]
             if summaries.get(name):
                 out += [summaries[name], ""]
-            out += ["```text", sub.format_help().rstrip(), "```", ""]
+            out += ["```text", _wrap_usage(sub.format_help().rstrip()), "```", ""]
     return "\n".join(out)
 
 
@@ -172,7 +205,19 @@ def metrics_markdown() -> str:
     return "\n".join(rows)
 
 
-GENERATORS = {"policies": policies_markdown, "cli": cli_markdown, "metrics": metrics_markdown}
+def conversion_diff_markdown() -> str:
+    """The conversion guide's example: examples/horovod_torch_before.py (a script in Horovod's own
+    style) against examples/horovod_torch_after.py (the same, converted), as a unified diff."""
+    import difflib
+
+    before, after = (ROOT / "examples" / f"horovod_torch_{n}.py" for n in ("before", "after"))
+    diff = difflib.unified_diff(before.read_text().splitlines(), after.read_text().splitlines(),
+                                f"examples/{before.name}", f"examples/{after.name}", lineterm="")
+    return "```diff\n" + "\n".join(diff) + "\n```"
+
+
+GENERATORS = {"policies": policies_markdown, "cli": cli_markdown, "metrics": metrics_markdown,
+              "conversion-diff": conversion_diff_markdown}
 
 
 def on_page_markdown(markdown: str, page, config, files: Files) -> str:
