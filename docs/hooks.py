@@ -22,6 +22,7 @@ Nothing here reaches the network; the build is run strict by tests/test_docs.py.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -60,6 +61,7 @@ def _api_source_tree() -> str:
             if "__pycache__" not in link.parts:
                 link.parent.mkdir(parents=True, exist_ok=True)
                 link.symlink_to(module)
+    atexit.register(shutil.rmtree, tree, True)  # also when the build stops before on_shutdown
     return str(tree)
 
 
@@ -124,13 +126,18 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _name(name: str) -> str:
+    """A table's first cell: the name in code, on one line (docs/stylesheets/extra.css)."""
+    return f'<code class="nowrap">{name}</code>'
+
+
 def policies_markdown() -> str:
     from hvd_scale import describe_policies
 
     rows = ["| policy | what it does | options (`name:key=value,...`) |", "|---|---|---|"]
     for name, description, options in describe_policies():
         opts = "<br>".join(f"`{key}`: {_cell(help_)}" for key, help_ in options.items()) or "none"
-        rows.append(f"| `{name}` | {_cell(description)} | {opts} |")
+        rows.append(f"| {_name(name)} | {_cell(description)} | {opts} |")
     return "\n".join(rows)
 
 
@@ -200,7 +207,7 @@ def metrics_markdown() -> str:
     from hvd_scale.metrics import LOGS_METRICS, METRICS
 
     rows = ["| column | meaning | in Keras `logs` |", "|---|---|---|"]
-    rows += [f"| `{name}` | {_cell(meaning)} | {'yes' if name in LOGS_METRICS else ''} |"
+    rows += [f"| {_name(name)} | {_cell(meaning)} | {'yes' if name in LOGS_METRICS else ''} |"
              for name, meaning in METRICS.items()]
     return "\n".join(rows)
 
