@@ -25,6 +25,22 @@ from typing import Protocol
 
 import numpy as np
 
+# On the wire: the adapters' sums ride in the gradients' allreduce, in the gradients' dtype
+# (Horovod fuses one dtype; a float64 tensor beside float32 gradients would be an allreduce of its
+# own every step). In float32 a sum of squared norms overflows from 3.4e38 on (|g| ~ 1.8e19), which
+# finite gradients can reach, and loses its digits below float32's smallest normal 1.2e-38 (|g| ~
+# 1e-19: a loss scaled far down), so each sum also travels times WIRE_WIDE (sums up to 5e98) and
+# times WIRE_NARROW (sums down to 1e-98). The receiver takes the plain sum where it is finite and
+# at least SMALLEST_PLAIN (well above the smallest normal, far below any sum a trained model's
+# gradients make), else whichever copy is.
+WIRE_WIDE = 2.0 ** -200
+WIRE_NARROW = 2.0 ** 200
+SMALLEST_PLAIN = 2.0 ** -100
+# A float32 norm (or sum of squares) is taken again in float64 where its mean square falls below
+# this: squares under float32's smallest normal lose digits (an element of 1e-22 squares to a
+# subnormal) and under 1.4e-45 vanish (at 1e-24 the float32 norm is 0).
+SMALLEST_MEAN_SQUARE = 2.0 ** -100
+
 
 def pack_local(group_sqnorms, micro_batches: int) -> np.ndarray:
     """This worker's vector: per-group sums of squared micro-gradient norms, then the count."""

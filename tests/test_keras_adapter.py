@@ -119,6 +119,18 @@ def test_schedule_runs_in_scale_invariant_iterations(results):
 
 
 @pytest.mark.timeout(480)
+def test_tiny_float32_gradients_measure_the_unscaled_gain(results):
+    """#30 item 5 in Keras on TensorFlow: the loss x 1e-22 gave gain 1 (sigma2 = mu2 = 0: the
+    float32 squares and the wire's float32 sum underflowed); now the unscaled run's."""
+    for r in both_ranks(results, "tiny"):
+        ref = r["gains"]["1.0"]
+        assert ref[0] > 1.2  # measured, not the gain of nothing
+        for factor in ("1e-22", "1e-30"):
+            for got, want in zip(r["gains"][factor], ref):
+                assert got == pytest.approx(want, rel=1e-5), (factor, r["gains"])
+
+
+@pytest.mark.timeout(480)
 def test_broadcast_of_a_model_fit_builds(backend_results):
     """#32 item 1: a Sequential without keras.Input (Horovod's example) under
     BroadcastInitialState trains, ends equal on every rank, and rank 0 says the broadcast waited

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 from hvd_scale.adapters.environment import elastic
+from hvd_scale.reduce import SMALLEST_MEAN_SQUARE
 
 
 class TensorFlowBackend:
@@ -72,8 +73,9 @@ class TensorFlowBackend:
         float32) and one add_n per dtype, not a square, a sum, a cast and an add per tensor.
 
         float32 squares overflow from |t| ~ 1.8e19 on, where the tensors are still finite (a
-        finite step would be called non-finite): then, and only then (one cond on the total),
-        the sum is taken again on float64 copies, which no finite tensor overflows."""
+        finite step would be called non-finite), and underflow below |t| ~ 1e-19 (a loss scaled
+        far down): then, and only then (one cond on the total), the sum is taken again on
+        float64 copies."""
         tf = self._tf
 
         def total(wide: bool):
@@ -88,7 +90,10 @@ class TensorFlowBackend:
             return out
 
         fast = total(False)
-        return tf.cond(tf.math.is_finite(fast), lambda: fast, lambda: total(True))
+        # Small enough that float32 squares underflowed (mean square below SMALLEST_MEAN_SQUARE)?
+        elements = float(sum(t.shape.num_elements() or 0 for t in tensors))
+        plain = tf.math.is_finite(fast) & (fast >= elements * SMALLEST_MEAN_SQUARE)
+        return tf.cond(plain, lambda: fast, lambda: total(True))
 
     def host_call(self, fn: Callable, args: Sequence, name: str):
         """fn(*numpy args) -> (float64 vector, float64 vector), as a graph op (numpy_function)."""

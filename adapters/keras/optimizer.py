@@ -34,6 +34,7 @@ from hvd_scale.adapters import environment
 from hvd_scale.adapters.core import PLAN, USER_SETTINGS, Readout, Scaling, precondition, run_step
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
+from hvd_scale.reduce import SMALLEST_PLAIN, WIRE_NARROW, WIRE_WIDE
 from hvd_scale.state import PolicyState
 
 from . import backends
@@ -42,11 +43,6 @@ ALLREDUCE_NAME = "hvd_scale.step"
 GROUPS = 1  # all trainable variables share one lr in Keras: one parameter group
 _PROGRESS = Policy.PROGRESS_INDEX
 _STEPS = Policy.STEPS_INDEX
-# The statistics ride in the gradients' allreduce group, in their dtype (Horovod's grouped op
-# takes one dtype). A float32 sum of squared norms overflows from 3.4e38 on, which finite
-# float32 gradients reach (|g| ~ 1.8e19): the sum also travels times 2^-200, which no finite
-# float32 gradient overflows and which stays a normal float32 wherever the plain one overflowed.
-_WIDE = 2.0 ** -200
 
 # Base-optimizer arguments that belong on the inner optimizer (as in LossScaleOptimizer).
 _INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "clipvalue",
@@ -259,15 +255,18 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         """One grouped allreduce (op=Average) of the gradients and, when measured, [s, c] in their
         dtype (so that it joins their group); then [s, c, q], q = |g_bar|^2 of the mean
         micro-gradient, or None with the averaged gradient's finiteness. In float32 s could
-        overflow (from 3.4e38 on: |g| ~ 1.8e19, finite gradients): it also travels times
-        ``_WIDE`` and is taken from there where the plain sum did not fit."""
+        overflow (from 3.4e38 on: |g| ~ 1.8e19, finite gradients) or lose its digits (below
+        1.2e-38: a loss scaled far down): it travels three times (``hvd_scale.reduce``: the
+        wire), and the copy that fits is taken."""
         local_grads, variables, local_sqnorm, count = self._traced
         tensors = list(local_grads)
         measure = self.scaling.measure
         if measure:
             float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
             local = ops.stack([local_sqnorm, ops.cast(count, "float64")])
-            tensors.append(ops.cast(ops.concatenate([local[:1], local[:1] * _WIDE, local[1:]]),
+            # Three copies of the sum (hvd_scale.reduce: the wire), then the count.
+            tensors.append(ops.cast(ops.concatenate([local[:1], local[:1] * WIRE_WIDE,
+                                                     local[:1] * WIRE_NARROW, local[1:]]),
                                     "float64" if float64 else "float32"))
         reduced = self._backend.allreduce_average(tensors, ALLREDUCE_NAME)
         mean = reduced[:len(local_grads)]
@@ -280,9 +279,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             # overflowing float32 is skipped too, as a measured step's statistics would be).
             return None, ops.isfinite(self._backend.sum_of_squares(mean))
         summed = ops.cast(reduced[-1], "float64") * self._backend.world_size()
-        s = ops.where(ops.isfinite(summed[:1]), summed[:1], summed[1:2] / _WIDE)
+        plain, wide, narrow, count = summed[:1], summed[1:2], summed[2:3], summed[3:]
+        s = ops.where(ops.isfinite(plain), plain, wide / WIRE_WIDE)
+        s = ops.where((s < SMALLEST_PLAIN) & ops.isfinite(narrow), narrow / WIRE_NARROW, s)
         q = ops.reshape(self._sqnorm_of(mean, variables), (1,))
-        return ops.concatenate([s, summed[2:], q]), ops.convert_to_tensor(True)
+        return ops.concatenate([s, count, q]), ops.convert_to_tensor(True)
 
     def user_settings(self):
         """[[lr(floor(tau)), beta_1, beta_2, epsilon, weight decay, t]] (``core.USER_SETTINGS``;

@@ -35,6 +35,7 @@ from hvd_scale.adapters.core import USER_SETTINGS, Readout, Scaling, preconditio
 from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
+from hvd_scale.reduce import SMALLEST_MEAN_SQUARE, SMALLEST_PLAIN, WIRE_NARROW, WIRE_WIDE
 
 from .hessian import hessian_top_eigenvalue
 from .process_set import ProcessSetBinding
@@ -46,23 +47,6 @@ SHARPNESS_NAME = "hvd_scale.sharpness"
 BUCKET_TENSORS = 16
 BUCKET_ELEMENTS = 1 << 18
 _HALF = (torch.float16, torch.bfloat16)
-# The statistics travel in the gradients' dtype, so that Horovod fuses them into the gradients'
-# allreduce (it fuses one dtype only; a float64 tensor beside float32 gradients would be an
-# allreduce of its own every step). In float32 a sum of squared norms overflows from 3.4e38 on
-# (|g| ~ 1.8e19), which finite gradients can reach, and loses its digits below float32's smallest
-# normal number 1.2e-38 (|g| ~ 1e-19: a loss scaled far down), so each sum also travels times
-# 2^-200 (sums up to 5e98) and times 2^200 (sums down to 1e-98). The receiver takes the plain sum
-# where it is finite and normal, else whichever copy is (``_summed``). Two floats per group more
-# in a fused buffer.
-_WIDE = 2.0 ** -200
-_NARROW = 2.0 ** 200
-# The plain float32 sum is used down to this: well above the smallest normal (its last digits
-# are exact there) and far below any sum of squares a trained model's gradients make.
-_SMALLEST_PLAIN = 2.0 ** -100
-# A float32 norm is re-taken in float64 when its mean square falls below this: squares under
-# float32's smallest normal 1.2e-38 lose digits (an element of 1e-22 squares to a subnormal),
-# and under 1.4e-45 vanish (at 1e-24 the float32 norm is 0).
-_SMALLEST_MEAN_SQUARE = 2.0 ** -100
 
 
 def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -97,7 +81,7 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
         return out
     # Taken again in float64 where a norm is not finite (overflow) or so small that its squares
     # underflowed in float32; one host check (against the largest tensor: a conservative bound).
-    floor = math.sqrt(max(t.numel() for t in tensors) * _SMALLEST_MEAN_SQUARE)
+    floor = math.sqrt(max(t.numel() for t in tensors) * SMALLEST_MEAN_SQUARE)
     redo = ~out.isfinite() | (out < floor)
     if bool(redo.any()):
         out = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) if bad else n
@@ -374,11 +358,11 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op,
         pre/postscale factors and dtype): Horovod fuses only tensors that agree on these, so the
         statistics join the gradients' allreduce instead of being a collective of their own.
-        In the gradients' dtype the sums travel three times (``_WIDE``, ``_NARROW``); ``_summed``
-        turns the result into the float64 sum."""
+        In the gradients' dtype the sums travel three times (``hvd_scale.reduce``: the wire);
+        ``_summed`` turns the result into the float64 sum."""
         s = self.local_statistics()
         groups = len(self.param_groups)
-        wire = torch.cat([s[:groups], s[:groups] * _WIDE, s[:groups] * _NARROW,
+        wire = torch.cat([s[:groups], s[:groups] * WIRE_WIDE, s[:groups] * WIRE_NARROW,
                           s[groups:]]).to(self._stats_dtype)
         return hvd.allreduce_async_(wire, op=self._op, name=STATS_NAME,
                                     prescale_factor=self._factors[0], postscale_factor=self._factors[1],
@@ -394,8 +378,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                                       reduced[2 * groups:3 * groups], reduced[3 * groups:])
         # The sums as they are wherever they fit the wire's dtype; else the scaled-down copy
         # (overflow), or the scaled-up one (digits lost below the smallest normal).
-        sums = torch.where(plain.isfinite(), plain, wide / _WIDE)
-        sums = torch.where((sums < _SMALLEST_PLAIN) & narrow.isfinite(), narrow / _NARROW, sums)
+        sums = torch.where(plain.isfinite(), plain, wide / WIRE_WIDE)
+        sums = torch.where((sums < SMALLEST_PLAIN) & narrow.isfinite(), narrow / WIRE_NARROW, sums)
         # A count of micro-batches, exact again after the average's rounding.
         return torch.cat([sums, count.round()])
 

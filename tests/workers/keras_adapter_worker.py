@@ -233,6 +233,26 @@ def case_fit():
          iterations=int(opt.iterations.numpy()), epochs=len(history.history["loss"]))
 
 
+def case_tiny():
+    """#30 item 5 in Keras: a float32 model whose loss is scaled far down (1e-22, 1e-30) measures
+    the unscaled run's gain (its squares underflowed float32, on the wire and in the norms)."""
+    gains = {}
+    for factor in (1.0, 1e-22, 1e-30):
+        model = make_model(seed=5, dtypes=("float32", "float32"))
+        opt = DistributedOptimizer(keras.optimizers.SGD(1e-12), policy="adascale")
+        opt.build(model.trainable_variables)
+        for step in range(6):
+            x, y = micro_batch(hvd.rank(), step, 0)
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, model(x.astype("float32"))) * factor
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        metrics = opt.metrics()
+        gains[str(factor)] = (metrics["gain"], metrics["sigma2"] / factor ** 2,
+                              metrics["mu2"] / factor ** 2)
+    emit("tiny", gains=gains)
+
+
 def case_fit_unbuilt():
     """BroadcastInitialState on a model fit builds (no keras.Input), as Horovod's example has:
     equal weights on every rank after the first batch (#32 item 1: Keras's 'Unknown variable')."""
@@ -555,6 +575,7 @@ def case_resume_np1():
 CASES = {
     "reference": lambda: (case_reference(1, True), case_reference(2, False)),
     "dtypes": case_dtypes,
+    "tiny": case_tiny,
     "policies": case_policies,
     "schedule": case_schedule,
     "fit": case_fit,
