@@ -214,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "on a Ray cluster or on Spark, with the policy and log "
                                      "directory handed to the adapters.",
                          usage="hvd-scale run [-np N] [--engine {horovodrun,ray,spark}] "
-                               "[-H HOSTS] [--gloo|--mpi] [--policy SPEC] [--log-dir DIR] [--log-every N] "
-                               "[--min-np N --max-np N] [--ray-address ADDR] "
+                               "[-H HOSTS] [--gloo|--mpi] [--policy SPEC] [--log-dir DIR] "
+                               "[--log-every N] [--min-np N --max-np N] [--ray-address ADDR] "
                                "[--spark-master URL] [horovodrun options] -- COMMAND...")
     run.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
                      help="Worker processes (default 1).")
