@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Directories written with --log-dir.")
     plot.add_argument("-o", "--output", required=True, metavar="FILE.png",
                       help="The picture to write.")
-    plot.add_argument("--metric", default="loss", help="The column to plot against tau (default loss).")
+    plot.add_argument("--metric", default=None,
+                      help="The column to plot against tau (default: the loss, where logged).")
 
     advise = sub.add_parser(
         "advise", help="Rank workers, passes and micro-batch for a logged run by goodput.",

@@ -40,19 +40,21 @@ def check_metric(metric: str, run_dirs: Sequence[str], runs: list) -> None:
         raise ValueError(f"--metric {metric!r} is not a column of {', '.join(missing)}; the "
                          f"columns are {', '.join(runs[0][1])}")
     if all(all(math.isnan(v) for v in cols[metric]) for _, cols in runs):
-        hint = (" (torch: call opt.log_loss(loss) each step; Keras: ScalingMetrics records "
-                "Keras's loss)") if metric == "loss" else ""
-        raise ValueError(f"--metric {metric!r} has no value in any run's metrics.csv{hint}")
+        raise ValueError(f"--metric {metric!r} has no value in any run's metrics.csv")
 
 
-def plot_runs(run_dirs: Sequence[str], output: str, metric: str = "loss") -> None:
+def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None) -> None:
+    """``metric`` None: the loss, where a run logged it (torch: ``opt.log_loss``; Keras logs
+    none), else the panel says so; a metric asked for by name must be there."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [read_run(d) for d in run_dirs]
-    check_metric(metric, run_dirs, runs)
+    asked, metric = metric is not None, metric or "loss"
+    if asked:
+        check_metric(metric, run_dirs, runs)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
     panels = [(axes[0, 0], "step", "lr_factor", "lr factor applied (AdaScale: r; adascale_adam: "
                "sqrt(r))"), (axes[0, 1], "step", "lr", "effective lr"),
@@ -65,6 +67,10 @@ def plot_runs(run_dirs: Sequence[str], output: str, metric: str = "loss") -> Non
         ax.set_title(title)
         ax.set_xlabel("tau" if x == "progress" else "optimizer step")
         ax.grid(alpha=0.3)
+    if not any(metric in cols and not all(math.isnan(v) for v in cols[metric]) for _, cols in runs):
+        axes[1, 1].text(0.5, 0.5, "no loss logged\n(torch: opt.log_loss(loss);\nKeras logs none: "
+                        "--metric another column)", ha="center", va="center",
+                        transform=axes[1, 1].transAxes)
     axes[0, 0].legend(fontsize=8)
     fig.savefig(output, dpi=80)
     plt.close(fig)
