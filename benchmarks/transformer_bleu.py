@@ -223,6 +223,8 @@ class Runner:
         todo = [s for s in specs
                 if not current_code(self.find(s), self.code, same)
                 or (rerun and self.find(s).get("code") != self.code)]
+        if self.args.any_code and not rerun:  # a run stored at any code counts (marked older)
+            todo = [s for s in todo if self.find(s) is None]
         singles = [s for s in todo if s["scale"] == 1]
         for i in range(0, len(singles), 2):
             self._run_batch(singles[i:i + 2])
@@ -519,6 +521,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=0,
                    help="start no run after this many minutes (0: no limit)")
     p.add_argument("--report-only", action="store_true", help="only rewrite bleu.md and the plots")
+    p.add_argument("--any-code", action="store_true",
+                   help="run only configurations with no stored run at any code (the report marks "
+                        "cells of older code)")
     p.add_argument("--code", type=pathlib.Path, default=ROOT,
                    help="the checkout whose code the runs use (default: this one), copied at start")
     args = p.parse_args(argv)
