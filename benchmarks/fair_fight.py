@@ -121,6 +121,7 @@ def run(name: str, *, policy: str, S: int, seed: int, lr: float, budget: int, sn
     if not curve or curve[-1][2] != result["steps"]:  # the final evaluation closes the curve
         curve.append((result["seconds"], result["progress"], result["steps"], quality))
     return {**row, "quality": quality, "steps": result["steps"], "progress": result["progress"],
+            "diverged": bool(result.get("diverged")),
             "mean_gain": result["mean_gain"], "seconds": result["seconds"], "curve": curve,
             "wall": time.perf_counter() - start}
 
@@ -128,6 +129,19 @@ def run(name: str, *, policy: str, S: int, seed: int, lr: float, budget: int, sn
 def ok(r: dict | None) -> bool:
     return r is not None and "error" not in r and r.get("quality") is not None \
         and math.isfinite(r["quality"])
+
+
+def diverged(r: dict) -> bool:
+    """Stopped before its budget (the example stops a run whose steps all overflow)."""
+    return bool(r.get("diverged")) or r["progress"] < r["budget"] * (1 - 1e-9)
+
+
+def best_of(runs: list[dict], keys: list):
+    """The key of the best run: the highest quality (a run that diverged counts as none), and of
+    equals (runs that all ended at chance) the smallest lr, the side where a diverging rule can
+    train."""
+    return max(zip(runs, keys), key=lambda rk: (
+        rk[0]["quality"] if ok(rk[0]) and not diverged(rk[0]) else -math.inf, -rk[0]["lr"]))[1]
 
 
 class Runner:
@@ -185,10 +199,9 @@ class Runner:
         mults = list(GRID)
         while True:
             runs = self.ensure([self.spec(rule, S, 0, lr0 * m, budget) for m in mults])
-            scored = [(r["quality"] if ok(r) else -math.inf, m) for r, m in zip(runs, mults)]
             if any(r is None for r in runs):
                 return None, [r for r in runs if r]
-            best = max(scored)[1]
+            best = best_of(runs, mults)
             if best == mults[0] and best / 2 >= GRID_LIMITS[0]:
                 mults.insert(0, best / 2)
             elif best == mults[-1] and best * 2 <= GRID_LIMITS[1]:
@@ -264,7 +277,7 @@ def bench_report(name: str, runs: list[dict], code: str) -> tuple[list[str], dic
                      and r["seed"] == 0]
             if not sweep:
                 continue
-            best = max(sweep, key=lambda r: r["quality"])
+            best = best_of(sweep, sweep)
             seeds = [r for r in mine if r["policy"] == rule and r["S"] == S and r["budget"] == steps * S
                      and r["lr"] == best["lr"]]
             sr = summary(seeds, target)
