@@ -77,6 +77,8 @@ class Scaling:
             ``$HVD_SCALE_LOG_DIR``: ``environment.log_dir``).
         log_every: steps between rows (``adapters.log.due``; the adapter resolves
             ``$HVD_SCALE_LOG_EVERY``: ``environment.log_every``).
+        loss_after_step: the framework knows a step's loss only after it (Keras's batch logs):
+            a row waits for ``log_loss``.
         elastic: under Horovod elastic (``environment.elastic``): no collective at set-up, where a
             joining worker builds its optimizer while the others train.
         nonfinite: "skip" a step with non-finite gradients on every rank, or "raise".
@@ -105,7 +107,8 @@ class Scaling:
                  check: Callable[[Policy], None] | None = None, elastic: bool = False,
                  lr_names: Sequence[str] | None = None, eps_placement: str = EPS_CORRECTED,
                  adapt: str | None = None, max_passes: int | None = None,
-                 adapt_every: int = ADAPT_EVERY, log_every: int | None = None):
+                 adapt_every: int = ADAPT_EVERY, log_every: int | None = None,
+                 loss_after_step: bool = False):
         self.hvd = hvd
         self.elastic = elastic
         self.lr_names = tuple(lr_names) if lr_names is not None else \
@@ -151,7 +154,8 @@ class Scaling:
             log_dir, rank=hvd.rank, budget=self.policy.budget,  # rank 0 of the moment writes
             run_info={"policy": self.policy.spec, "scale": self.policy.scale,
                       "workers": hvd.size(), "backward_passes_per_step": self.passes,
-                      "optimizer": optimizer_name, "framework": framework}, every=log_every)
+                      "optimizer": optimizer_name, "framework": framework}, every=log_every,
+            loss_after_step=loss_after_step)
         self._world_size = hvd.size()
         self.last_lr = math.nan
         self.last_step: StepInfo | None = None  # what the latest accounted step applied

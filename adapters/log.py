@@ -72,11 +72,15 @@ class MetricsLogger:
 
     def __init__(self, log_dir: str | os.PathLike, *, rank: int | Callable[[], int] = 0,
                  run_info: Mapping | None = None, budget: float | None = None,
-                 progress_bar: bool = True, tensorboard: bool = True, every: int | None = None):
+                 progress_bar: bool = True, tensorboard: bool = True, every: int | None = None,
+                 loss_after_step: bool = False):
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"log every must be an integer >= 1 (steps between rows), got {every!r}")
         self.every = every
         self._unwritten: Callable[[], Mapping[str, Any]] | None = None
+        # Keras knows a step's loss only after the step (its batch logs): the row waits for it.
+        self.loss_after_step = loss_after_step
+        self._held: dict[str, Any] | None = None
         self.log_dir = pathlib.Path(log_dir)
         self._rank = rank if callable(rank) else (lambda: rank)
         self._run_info = dict(run_info or {})
@@ -94,17 +98,32 @@ class MetricsLogger:
         return self._csv_file is not None
 
     def set_loss(self, loss: Any) -> None:
-        """Keep the step's loss (a float or a tensor) for the next row; read only when written."""
-        self._pending_loss = loss
+        """Keep the step's loss (a float or a tensor) for the next row; read only when written.
+        With ``loss_after_step``, a row waiting for its loss gets it and is written."""
+        if self._held is not None:
+            row, self._held = self._held, None
+            self.log({**row, "loss": loss})
+        else:
+            self._pending_loss = loss
 
     def step(self, step: float, metrics: Callable[[], Mapping[str, Any]]) -> None:
         """An optimizer step: its row (``metrics()``, called only then) if ``due``, else kept
-        to be written at ``close`` should it be the last."""
+        to be written at ``close`` should it be the last. With ``loss_after_step`` a due row
+        waits for ``set_loss`` (or the next step, or ``close``)."""
+        self._flush_held()
         if due(step, self.every):
             self._unwritten = None
-            self.log(metrics())
+            if self.loss_after_step:
+                self._held = dict(metrics())
+            else:
+                self.log(metrics())
         else:
             self._unwritten = metrics
+
+    def _flush_held(self) -> None:
+        if self._held is not None:
+            row, self._held = self._held, None
+            self.log(row)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
         """Write one row; every key must be a name of ``METRICS`` (the logger adds ``time``)."""
@@ -196,6 +215,8 @@ class MetricsLogger:
         self._csv_file = self._tb = self._bar = None
 
     def close(self) -> None:
+        if not self.closed:
+            self._flush_held()
         last, self._unwritten = self._unwritten, None
         if last is not None and not self.closed:
             try:  # the run's last step, whatever the interval (its row still describes the state)

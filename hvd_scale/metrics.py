@@ -47,7 +47,8 @@ METRICS: dict[str, str] = {
     "update_time": "seconds of the previous step's update (after the wait, to the step's end)",
     "step_time": "overhead_time + passes x pass_time + allreduce_time + update_time "
                  "(hvd_scale.goodput's model; overhead 0 where nan)",
-    "loss": "the loss passed to log_loss() for the step",
+    "loss": "the loss passed to log_loss() for the step (Keras: ScalingMetrics hands each batch's, "
+            "rank 0's)",
     "time": "seconds since the log was opened",
 }
 

@@ -44,8 +44,8 @@ def check_metric(metric: str, run_dirs: Sequence[str], runs: list) -> None:
 
 
 def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None) -> None:
-    """``metric`` None: the loss, where a run logged it (torch: ``opt.log_loss``; Keras logs
-    none), else the panel says so; a metric asked for by name must be there."""
+    """``metric`` None: the loss, where a run logged it (torch: ``opt.log_loss``; Keras:
+    ``ScalingMetrics``), else the panel says so; a metric asked for by name must be there."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,8 +68,8 @@ def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None) -
         ax.set_xlabel("tau" if x == "progress" else "optimizer step")
         ax.grid(alpha=0.3)
     if not any(metric in cols and not all(math.isnan(v) for v in cols[metric]) for _, cols in runs):
-        axes[1, 1].text(0.5, 0.5, "no loss logged\n(torch: opt.log_loss(loss);\nKeras logs none: "
-                        "--metric another column)", ha="center", va="center",
+        axes[1, 1].text(0.5, 0.5, "no loss logged\n(torch: opt.log_loss(loss);\nKeras: the "
+                        "ScalingMetrics callback)", ha="center", va="center",
                         transform=axes[1, 1].transAxes)
     axes[0, 0].legend(fontsize=8)
     fig.savefig(output, dpi=80)

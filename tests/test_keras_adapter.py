@@ -158,6 +158,11 @@ def test_fit_trains_in_sync_and_stops_at_the_budget(backend_results):
     for r in (r0, r1):
         assert r["losses"][-1] < 0.8 * r["losses"][0], r["losses"]
     assert r0["losses"] == r1["losses"]
+    # #32 item 5: the metrics log has each step's loss (it was nan in every row): rank 0's, per
+    # step, falling as training goes.
+    losses = r0["csv_loss"]
+    assert len(losses) == r0["iterations"] and all(math.isfinite(v) and v > 0 for v in losses)
+    assert sum(losses[-10:]) < 0.8 * sum(losses[:10]), losses
     # Gains equal on every rank, within [1, S], measured (not all 1).
     assert r0["rows"] == r1["rows"]
     gains = [row["gain"] for row in r0["rows"]]

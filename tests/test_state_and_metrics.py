@@ -294,3 +294,20 @@ def test_log_interval_keeps_a_long_run_small_and_its_last_step(tmp_path):
         assert environment.log_every() == 25
     finally:
         del os.environ["HVD_SCALE_LOG_EVERY"]
+
+
+def test_a_row_waits_for_a_loss_known_after_its_step(tmp_path):
+    """Keras knows a step's loss after the step (its batch logs): with loss_after_step the row
+    waits for set_loss, or is written without one at the next step or at close."""
+    logger = MetricsLogger(tmp_path, progress_bar=False, tensorboard=False, loss_after_step=True)
+    logger.step(1, lambda: {"step": 1, "progress": 1.0})
+    assert not (tmp_path / "metrics.csv").exists()  # waiting for its loss
+    logger.set_loss(0.5)
+    logger.step(2, lambda: {"step": 2, "progress": 2.0})
+    logger.step(3, lambda: {"step": 3, "progress": 3.0})  # step 2's row goes without a loss
+    logger.set_loss(0.25)
+    logger.step(4, lambda: {"step": 4, "progress": 4.0})
+    logger.close()  # step 4's row, without a loss
+    rows = [(float(r["step"]), float(r["loss"])) for r in _rows(tmp_path / "metrics.csv")]
+    assert rows[0] == (1, 0.5) and rows[2] == (3, 0.25)
+    assert rows[1][0] == 2 and math.isnan(rows[1][1]) and rows[3][0] == 4 and math.isnan(rows[3][1])

@@ -103,6 +103,8 @@ class BroadcastInitialState(_PreparesModel):
 class ScalingMetrics(_PreparesModel):
     """Put the policy's metrics into ``logs``; stop training once tau reaches a budget.
 
+    Also hands each batch's loss (from Keras's running mean) to the metrics log's ``loss`` column.
+
     Keys added to the batch and epoch logs (so History, CSVLogger and the progress bar show
     them; list this callback before CSVLogger): ``hvd_scale.metrics.LOGS_METRICS`` (gain, lr,
     lr_factor, progress, scale, sigma2, mu2, noise_scale, efficiency; ``lr`` and ``lr_factor``
@@ -135,8 +137,19 @@ class ScalingMetrics(_PreparesModel):
         metrics = self._optimizer().metrics()
         return {key: metrics[key] for key in self.KEYS}
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._seen = (0, 0.0)  # (batches, Keras's running mean loss) in this epoch
+
     def on_train_batch_end(self, batch, logs=None):
         opt = self._optimizer()
+        if logs is not None and _number(logs.get("loss")):
+            # Keras's batch logs hold the epoch's running mean: the batches since the last call
+            # (one, without steps_per_execution) had this mean loss; it goes to the step's row.
+            seen, mean = getattr(self, "_seen", (0, 0.0))
+            now, running = batch + 1, float(logs["loss"])
+            if now > seen:
+                opt.log_loss((now * running - seen * mean) / (now - seen))
+            self._seen = (now, running)
         if self.batch_logs and logs is not None:
             logs.update(self._values())
         budget = self.budget if self.budget is not None else opt.policy.budget

@@ -151,7 +151,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                           budget=budget, optimizer_name=optimizer_name,
                           framework=f"keras/{backend.name}", groups=GROUPS, measure=measure,
                           log_dir=environment.log_dir(log_dir), log_every=environment.log_every(),
-                          nonfinite=nonfinite,
+                          loss_after_step=True, nonfinite=nonfinite,
                           base_lrs=base_lrs, agreed=agreed, elastic=environment.elastic(),
                           eps_placement=EPS_RAW)
         if scaling.policy.statistics == "preconditioned" and \

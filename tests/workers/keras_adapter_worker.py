@@ -220,13 +220,21 @@ def case_fit():
     """model.fit: replicas start apart, get broadcast, train in sync, stop at the budget."""
     x, y = dataset(hvd.rank(), 160)  # 10 batches of 16 per epoch
     model = make_model(seed=100 + hvd.rank())  # different on purpose: the broadcast must fix it
-    opt = DistributedOptimizer(keras.optimizers.SGD(0.2, momentum=0.9), policy="adascale")
+    log_dir = tempfile.mkdtemp()
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.2, momentum=0.9), policy="adascale",
+                               log_dir=log_dir)
     model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
     recorder = Recorder()
     budget = 45.0
     history = model.fit(x, y, batch_size=16, epochs=50, shuffle=False, verbose=0,
                         callbacks=[BroadcastInitialState(), recorder, ScalingMetrics(budget=budget)])
-    emit("fit", losses=history.history["loss"], keys=sorted(history.history),
+    opt.close()
+    csv_path = os.path.join(log_dir, "metrics.csv")
+    csv_loss = None
+    if os.path.exists(csv_path):  # rank 0 only
+        with open(csv_path) as f:
+            csv_loss = [float(r["loss"]) for r in csv.DictReader(f)]
+    emit("fit", losses=history.history["loss"], keys=sorted(history.history), csv_loss=csv_loss,
          epoch_gain=history.history["gain"], epoch_progress=history.history["progress"],
          epoch_lr=history.history["lr"], rows=recorder.rows, start_hash=recorder.start_hash,
          hash=weights_hash(model), scale=opt.scale, budget=budget, progress=opt.progress,
