@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from hvd_scale.adapters.log import check_every
 from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
 
 
@@ -25,10 +26,8 @@ def log_every() -> int | None:
     if not value:
         return None
     try:
-        every = int(value)
+        every: int | str = int(value)
     except ValueError:
-        every = 0
-    if every < 1:
-        raise ValueError(f"${LOG_EVERY_ENV}={value!r} (set by hvd-scale run --log-every, or in the "
-                         "environment) must be an integer >= 1 (steps between metrics rows)")
-    return every
+        every = value
+    return check_every(every, f"${LOG_EVERY_ENV}={value!r} (set by hvd-scale run --log-every, or "
+                              "in the environment)")

@@ -44,6 +44,15 @@ def due(step: float, every: int | None = None) -> bool:
     return step == 1 or step % every == 0
 
 
+def check_every(every: Any, name: str = "log every") -> int | None:
+    """``every`` for ``due``: None, or an integer >= 1; ValueError naming ``name`` (the argument,
+    flag or variable it came from) otherwise."""
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"{name} must be an integer >= 1 (steps between metrics rows), "
+                         f"got {every!r}")
+    return every
+
+
 def _float(value: Any) -> float:
     if value is None:
         return math.nan
@@ -74,9 +83,7 @@ class MetricsLogger:
                  run_info: Mapping | None = None, budget: float | None = None,
                  progress_bar: bool = True, tensorboard: bool = True, every: int | None = None,
                  loss_after_step: bool = False):
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f"log every must be an integer >= 1 (steps between rows), got {every!r}")
-        self.every = every
+        self.every = check_every(every)
         self._unwritten: Callable[[], Mapping[str, Any]] | None = None
         # Keras knows a step's loss only after the step (its batch logs): the row waits for it.
         self.loss_after_step = loss_after_step

@@ -23,6 +23,7 @@ import os
 import sys
 from typing import Sequence
 
+from hvd_scale.adapters.log import check_every
 from hvd_scale.launch import engines
 from hvd_scale.policies import describe_policies, parse_spec
 
@@ -85,9 +86,10 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         except ValueError as e:
             print(f"hvd-scale run: bad --policy: {e}", file=sys.stderr)
             return 2
-    if args.log_every is not None and args.log_every < 1:
-        print(f"hvd-scale run: --log-every must be an integer >= 1 (steps between metrics rows), "
-              f"got {args.log_every}", file=sys.stderr)
+    try:
+        check_every(args.log_every, "--log-every")
+    except ValueError as e:
+        print(f"hvd-scale run: {e}", file=sys.stderr)
         return 2
     problem = _check_engine_options(args)
     if problem:

@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from hvd_scale.launch.jobs import (CPU_ENV_DEFAULTS, GPU_ENV_DEFAULTS,  # noqa: F401
                                    find_horovodrun, horovodrun_command)
+from hvd_scale.adapters.log import check_every
 from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
 from hvd_scale.policies import POLICY_ENV, parse_spec
 
@@ -158,10 +159,7 @@ def worker_env(policy: str | None = None, log_dir: str | os.PathLike | None = No
     if log_dir is not None:
         env[LOG_DIR_ENV] = os.path.abspath(os.fspath(log_dir))
         os.makedirs(env[LOG_DIR_ENV], exist_ok=True)
-    if log_every is not None:
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
-            raise ValueError(f"log_every must be an integer >= 1 (steps between metrics rows), "
-                             f"got {log_every!r}")
+    if check_every(log_every, "log_every") is not None:
         env[LOG_EVERY_ENV] = str(log_every)
     return env
 

@@ -32,6 +32,11 @@ def read_run(run_dir: str | pathlib.Path) -> tuple[str, dict[str, list[float]]]:
     return label, columns
 
 
+def has_values(columns: dict[str, list[float]], name: str) -> bool:
+    """The log has the column and a value in it (not nan throughout)."""
+    return name in columns and not all(math.isnan(v) for v in columns[name])
+
+
 def check_metric(metric: str, run_dirs: Sequence[str], runs: list) -> None:
     """The metric panel's column: in every run's log, with a value in at least one (else an
     empty panel would look like a plot)."""
@@ -39,7 +44,7 @@ def check_metric(metric: str, run_dirs: Sequence[str], runs: list) -> None:
     if missing:
         raise ValueError(f"--metric {metric!r} is not a column of {', '.join(missing)}; the "
                          f"columns are {', '.join(runs[0][1])}")
-    if all(all(math.isnan(v) for v in cols[metric]) for _, cols in runs):
+    if not any(has_values(cols, metric) for _, cols in runs):
         raise ValueError(f"--metric {metric!r} has no value in any run's metrics.csv")
 
 
@@ -62,12 +67,12 @@ def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None) -
               (axes[1, 1], "progress", metric, f"{metric} vs tau")]
     for ax, x, y, title in panels:
         for label, cols in runs:
-            if y in cols and x in cols and not all(math.isnan(v) for v in cols[y]):
+            if x in cols and has_values(cols, y):
                 ax.plot(cols[x], cols[y], label=label)
         ax.set_title(title)
         ax.set_xlabel("tau" if x == "progress" else "optimizer step")
         ax.grid(alpha=0.3)
-    if not any(metric in cols and not all(math.isnan(v) for v in cols[metric]) for _, cols in runs):
+    if not any(has_values(cols, metric) for _, cols in runs):
         axes[1, 1].text(0.5, 0.5, "no loss logged\n(torch: opt.log_loss(loss);\nKeras: the "
                         "ScalingMetrics callback)", ha="center", va="center",
                         transform=axes[1, 1].transAxes)
