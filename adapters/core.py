@@ -351,6 +351,12 @@ class Scaling:
             self.policy.rescale(scale)
 
     @property
+    def timings_read(self) -> bool:
+        """The step clock's timings are read (logged, or adapt="goodput" fits them): an adapter
+        for which a stamp costs something (Keras's host calls in a traced step) stamps only then."""
+        return self.logger is not None or self.adaptation.adapt is not None
+
+    @property
     def adapt(self) -> str | None:
         """"goodput" when k adapts, else None."""
         return self.adaptation.adapt

@@ -42,7 +42,7 @@ METRICS: dict[str, str] = {
                  "the previous step's end to the wait for the gradients",
     "overhead_time": "seconds of the latest step's own work outside its passes (zero_grad, "
                      "evaluation, logging: from the previous step's end to the wait, less k x "
-                     "pass_time); nan where no pass was timed alone (k = 1, Keras)",
+                     "pass_time); nan where no pass was timed alone (k = 1)",
     "allreduce_time": "seconds the latest step waited for the gradients' allreduce after its passes",
     "update_time": "seconds of the previous step's update (after the wait, to the step's end)",
     "step_time": "overhead_time + passes x pass_time + allreduce_time + update_time "
@@ -57,8 +57,8 @@ POLICY_METRICS = ("step", "progress", "gain", "lr_factor", "scale", "sigma2", "m
                   "efficiency", "skipped")
 # The lr guard's (hvd_scale.guard; torch only), in every adapter's metrics() and the log.
 GUARD_METRICS = ("sharpness", "lr_cap")
-# Where a step's time goes (``hvd_scale.goodput``), timed by the torch adapter on the host (no
-# synchronisation); nan in Keras, whose step runs inside a traced function.
+# Where a step's time goes (``hvd_scale.goodput``), stamped on the host as the step runs (no
+# synchronisation): by the torch adapter always, by Keras's when the metrics are logged.
 TIMING_METRICS = ("passes", "workers", "pass_time", "overhead_time", "allreduce_time",
                   "update_time", "step_time")
 STEP_METRICS = POLICY_METRICS + ("lr",) + GUARD_METRICS + TIMING_METRICS

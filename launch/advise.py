@@ -93,8 +93,8 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
                          f"policy that measures (adascale) or with measure=True")
     timed = _finite(columns, TIMINGS)
     if not timed:
-        raise ValueError(f"{log_dir}: no step has timings ({', '.join(TIMINGS)}): they come from "
-                         f"the torch adapter (Keras logs none)")
+        raise ValueError(f"{log_dir}: no step has timings ({', '.join(TIMINGS)}): both adapters "
+                         f"log them from the second step on (Keras's before 2026-12-02 did not)")
     timed = [i for i in timed if columns[STEP][i] > WARMUP_STEPS] or timed
     # W of each step (Horovod elastic changes it); a log written before the column: run.json's.
     n = len(columns[STEP])

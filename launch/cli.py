@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     advise = sub.add_parser(
         "advise", help="Rank workers, passes and micro-batch for a logged run by goodput.",
-        description="From a run's log (--log-dir; timings from the torch adapter), predict each "
+        description="From a run's log (--log-dir; torch or Keras), predict each "
                     "configuration's gain, step time and goodput, and recommend the best.")
     advise.add_argument("log_dir", metavar="LOGDIR", help="A directory written with --log-dir.")
     advise.add_argument("--workers", type=_positive_list(int), metavar="LIST",

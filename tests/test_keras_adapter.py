@@ -22,7 +22,7 @@ def results(tmp_path_factory):
                      test_dir=tmp_path_factory.mktemp("keras_adapter"), single=["resume_np1"])
 
 
-FIT_CASES = ["fit", "fit_unbuilt", "fit_accumulate", "checkpoint"]
+FIT_CASES = ["fit", "fit_unbuilt", "fit_accumulate", "checkpoint", "timings"]
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +190,29 @@ def test_fit_with_accumulation(backend_results):
     # log_dir: rank 0 writes one CSV row per optimizer step (as the torch adapter), rank 1 none.
     assert r0["csv_progress"] == pytest.approx([row["progress"] for row in r0["rows"]])
     assert r1["csv_progress"] is None
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("k", [1, 2])
+def test_fit_logs_step_timings_that_advise_reads(backend_results, k):
+    """#31 item 2: a logged Keras run has the step clock's timings (they were nan): a pass that
+    sleeps 20 ms and an update that sleeps 30 ms land in pass_time and update_time, not in each
+    other (the stamps wait for the update inside the traced step); advise reads the log."""
+    r0, r1 = both_ranks(backend_results, "timings")
+    assert r1["runs"][str(k)]["rows"] is None  # rank 0 writes the log
+    run = r0["runs"][str(k)]
+    rows = run["rows"][1:]  # the first step has no previous end: nan
+    assert len(rows) == 24 // k - 1
+    for row in rows:
+        assert row["passes"] == k and row["workers"] == NP
+        assert row["pass_time"] >= 0.02 and row["update_time"] >= 0.03, row
+        assert 0 <= row["allreduce_time"] < row["step_time"], row
+        parts = row["allreduce_time"] + row["update_time"] + k * row["pass_time"] + \
+            (row["overhead_time"] if k > 1 else 0.0)
+        assert row["step_time"] == pytest.approx(parts, rel=1e-9), row
+    # k = 1 times no pass alone; k = 2 does (first gradient to first gradient)
+    assert all(math.isnan(r["overhead_time"]) == (k == 1) for r in rows)
+    assert f"W = {NP}, k = {k}" in run["advise"] and "<- measured" in run["advise"], run["advise"]
 
 
 @pytest.mark.timeout(480)

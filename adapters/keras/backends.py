@@ -1,6 +1,6 @@
 """What differs between Keras backends for the adapter: Horovod's module, the gradient
 allreduce, the squared norms (in each backend's fused kernels), the call to the engine on the
-host, and elastic's run wrapper.
+host, the step clock's stamps, and elastic's run wrapper.
 
 The optimizer (``optimizer.py``) is written once in ``keras.ops``; ``current()`` picks the class
 for ``keras.backend.backend()`` in one ``if``, as Keras picks its own backend optimizer.
@@ -53,9 +53,23 @@ class TensorFlowBackend:
         tf = self._tf
         return tf.cast(self.hvd.size_op() if elastic() else self.hvd.size(), tf.float64)
 
-    def allreduce_average(self, tensors: Sequence, name: str) -> list:
+    def stamp(self, fn: Callable[[], None], after: Sequence):
+        """``fn()`` (a clock's stamp) on the host once ``after`` are computed, as a graph op;
+        the token it returns is what ``allreduce_average(after=...)`` waits for."""
+        tf = self._tf
+        with tf.control_dependencies(list(after)):
+            return tf.numpy_function(functools.partial(_stamp, fn), [], tf.float64, stateful=True,
+                                     name="hvd_scale_clock")
+
+    def allreduce_average(self, tensors: Sequence, name: str, after=None) -> list:
         """hvd.grouped_allreduce(op=Average), one group per dtype (Horovod's TensorFlow grouped op
-        takes one dtype); order kept. Groups in order of first appearance: the same on every rank."""
+        takes one dtype); order kept. Groups in order of first appearance: the same on every rank.
+        ``after``: a ``stamp``'s token, run first."""
+        tf = self._tf
+        with tf.control_dependencies([] if after is None else [after]):
+            return self._allreduce_average(tensors, name)
+
+    def _allreduce_average(self, tensors: Sequence, name: str) -> list:
         groups: dict = {}
         for i, t in enumerate(tensors):
             groups.setdefault(t.dtype, []).append(i)
@@ -150,7 +164,10 @@ class TorchBackend:
     def world_size(self):
         return float(self.hvd.size())
 
-    def allreduce_average(self, tensors: Sequence, name: str) -> list:
+    def stamp(self, fn: Callable[[], None], after: Sequence) -> None:
+        fn()  # eager: everything before it has run
+
+    def allreduce_average(self, tensors: Sequence, name: str, after=None) -> list:
         # Horovod's torch grouped op takes mixed dtypes; tensors follow the gradients' device.
         return list(self.hvd.grouped_allreduce(list(tensors), op=self.hvd.Average, name=name))
 
@@ -183,6 +200,12 @@ class TorchBackend:
         from horovod.torch.elastic import run
 
         return run(func)
+
+
+def _stamp(fn: Callable[[], None]) -> np.ndarray:
+    # Module-level (not defined inside the traced step): autograph leaves it alone.
+    fn()
+    return np.zeros((), np.float64)
 
 
 def _in_xla_context() -> bool:

@@ -17,7 +17,10 @@ operation in ``hvd_scale.adapters.core``. What this module does:
   the new one back, and reading ``policy`` gives a policy built from the variable, changing
   nothing (the Python policy holds only the spec and S);
 * the step's lr is ``lr(floor(tau)) x factor``: the inner optimizer sees this value for the one
-  ``apply`` call and nothing is written to the user's lr variable or ``LearningRateSchedule``.
+  ``apply`` call and nothing is written to the user's lr variable or ``LearningRateSchedule``;
+* when the metrics are logged, the step clock (``adapters.adapt.StepClock``) is stamped from the
+  step as it runs: each pass's gradients (k >= 2), the wait for the allreduce, its end (the host
+  call) and the update's end, each a small host call ordered by control dependencies.
 """
 
 from __future__ import annotations
@@ -224,6 +227,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                 self._accumulate(grads, variables)
 
     def _accumulate(self, grads, variables):
+        if self.scaling.timings_read:  # this pass's gradients exist
+            self._backend.stamp(self.scaling.clock.pass_started, grads)
         accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
         for acc, g in zip(accumulators, grads):
             acc.assign_add(ops.cast(g, acc.dtype))
@@ -268,7 +273,10 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             tensors.append(ops.cast(ops.concatenate([local[:1], local[:1] * WIRE_WIDE,
                                                      local[:1] * WIRE_NARROW, local[1:]]),
                                     "float64" if float64 else "float32"))
-        reduced = self._backend.allreduce_average(tensors, ALLREDUCE_NAME)
+        # The passes are over once the local gradients (and statistics) exist: the wait starts.
+        waiting = self._backend.stamp(self.scaling.clock.waiting, tensors) \
+            if self.scaling.timings_read else None
+        reduced = self._backend.allreduce_average(tensors, ALLREDUCE_NAME, after=waiting)
         mean = reduced[:len(local_grads)]
         if self.backward_passes_per_step > 1:  # the mean micro-gradient
             mean = [g / ops.cast(self.backward_passes_per_step, g.dtype) for g in mean]
@@ -327,6 +335,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     def _host_step(self, fn, measured, state, statistics, finite, user_settings, loss_scale):
         """The host side of ``on_host``, in numpy: the policy from the state variable, ``fn``,
         and the new state with the plan."""
+        self.scaling.clock.waited()  # the allreduce it depends on is over
         policy = self.scaling.policy
         policy.state = PolicyState.from_vector(state, GROUPS)
         plan = fn(statistics if measured else None, bool(finite), user_settings, float(loss_scale))
@@ -346,7 +355,14 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             # overflow to lower its scale; a skipped step reaches it with lr 0.
             self._apply_inner(grads, variables, lr, adam)
         else:
-            ops.cond(factor > 0, lambda: self._apply_inner(grads, variables, lr, adam), lambda: None)
+            ops.cond(factor > 0, lambda: self._apply_inner(grads, variables, lr, adam),
+                     lambda: self._ended(variables))
+
+    def _ended(self, variables):
+        """The clock's stamp at the update's end: once the variables read its result. Taken
+        inside the cond's branch: after the cond, TensorFlow does not wait for Keras's update."""
+        if self.scaling.timings_read:
+            self._backend.stamp(self.scaling.clock.ended, [ops.convert_to_tensor(v) for v in variables])
 
     def _apply_inner(self, grads, variables, lr, adam):
         owner = _lr_owner(self.inner_optimizer)
@@ -365,6 +381,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         finally:
             for key, value in saved.items():
                 object.__setattr__(owner, key, value)
+        self._ended(variables)
 
     def _base_learning_rate(self, progress):
         """The user's lr for the step at progress tau: a schedule runs at floor(tau)."""

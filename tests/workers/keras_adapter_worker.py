@@ -14,6 +14,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -299,6 +300,73 @@ def case_fit_accumulate():
          hash=weights_hash(model), scale=opt.scale, iterations=int(opt.iterations.numpy()),
          progress=opt.progress,
          csv_progress=None if csv_rows is None else [float(r["progress"]) for r in csv_rows])
+
+
+PASS_SLEEP, UPDATE_SLEEP = 0.02, 0.03  # seconds a pass's forward and an update take at least
+
+
+def slow(x, seconds):
+    """x, after sleeping ``seconds`` on the host when the step computes it."""
+    if not TF:
+        time.sleep(seconds)
+        return x
+    out = tf.numpy_function(lambda a: (time.sleep(seconds), a)[1], [x], x.dtype, stateful=True)
+    return tf.ensure_shape(out, x.shape)
+
+
+class SlowPass(keras.layers.Layer):
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def call(self, x):
+        return slow(x, PASS_SLEEP)
+
+
+def slow_sgd(lr):
+    """An SGD whose update takes UPDATE_SLEEP more (the policies know SGD by its class name, so
+    the instance is patched, not subclassed). TensorFlow's updates one variable at a time
+    (update_step), Keras's torch backend all at once (_backend_update_step)."""
+    sgd = keras.optimizers.SGD(lr)
+    name = "update_step" if TF else "_backend_update_step"
+    update = getattr(sgd, name)
+
+    def slow_update(grads, variables, learning_rate):
+        if TF and sgd._get_variable_index(variables) == 0:
+            grads = slow(grads, UPDATE_SLEEP)
+        elif not TF:
+            time.sleep(UPDATE_SLEEP)
+        update(grads, variables, learning_rate)
+
+    object.__setattr__(sgd, name, slow_update)
+    return sgd
+
+
+def case_timings():
+    """#31 item 2: Keras's metrics log has the step clock's timings (a slow pass and a slow
+    update show where they belong), at k = 1 and k = 2, and advise reads the log."""
+    from hvd_scale.launch.advise import advise
+
+    out = {}
+    for k in (1, 2):
+        x, y = dataset(hvd.rank(), 16 * 24)
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), SlowPass(), keras.layers.Dense(3)])
+        log_dir = tempfile.mkdtemp()
+        opt = DistributedOptimizer(slow_sgd(0.05), policy="adascale", backward_passes_per_step=k,
+                                   log_dir=log_dir)
+        model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[ScalingMetrics()])
+        opt.close()
+        rows = report = None
+        if hvd.rank() == 0:
+            with open(os.path.join(log_dir, "metrics.csv")) as f:
+                rows = [{key: float(v) for key, v in r.items() if key in (
+                    "passes", "workers", "pass_time", "overhead_time", "allreduce_time",
+                    "update_time", "step_time", "time")} for r in csv.DictReader(f)]
+            report = advise(log_dir, workers=(1, 2, 4), passes=(1, 2, 4))
+        out[str(k)] = {"rows": rows, "advise": report}
+    emit("timings", runs=out)
 
 
 def new_checkpoint_model():
@@ -590,6 +658,7 @@ CASES = {
     "fit_unbuilt": case_fit_unbuilt,
     "fit_accumulate": case_fit_accumulate,
     "checkpoint": case_checkpoint,
+    "timings": case_timings,
     "nonfinite": case_nonfinite,
     "loss_scale": case_loss_scale,
     "jit": case_jit,
