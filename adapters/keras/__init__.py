@@ -43,10 +43,13 @@ Conventions and limits:
   inner optimizer state, statistics and tau stay (``policy.skipped`` counts it);
   ``nonfinite="raise"`` raises instead. With a ``LossScaleOptimizer`` inside, that optimizer
   still sees the step so it can lower its scale.
-* Mixed precision: wrap as ``DistributedOptimizer(LossScaleOptimizer(inner))`` and compile with
-  ``auto_scale_loss=False`` (Keras would otherwise wrap *this* optimizer in a LossScaleOptimizer,
-  which decides to skip per rank, before the allreduce, and deadlocks the job). Statistics are
-  unscaled (squared norms by the loss scale squared).
+* Mixed precision: ``mixed_bfloat16`` as it is; ``mixed_float16``: wrap as
+  ``DistributedOptimizer(LossScaleOptimizer(inner))`` and compile with ``auto_scale_loss=False``
+  (Keras would otherwise wrap *this* optimizer in a LossScaleOptimizer, which decides to skip per
+  rank, before the allreduce, and deadlocks the job: refused). Statistics are unscaled (squared
+  norms by the loss scale squared).
+* ``steps_per_execution > 1`` (TensorFlow backend) takes the same steps; data of unknown length
+  (``tf.data`` after ``filter``) is refused by the callbacks: repeat it, give ``steps_per_epoch``.
 * XLA: Horovod's TensorFlow ops have no XLA kernels in this build, so ``jit_compile=True`` cannot
   work. ``apply`` raises a ValueError when traced under XLA; the callbacks switch
   ``model.jit_compile`` off (with a warning) before ``fit`` builds its train function.

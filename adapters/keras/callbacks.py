@@ -11,18 +11,15 @@ from hvd_scale.adapters.environment import elastic
 from hvd_scale.metrics import LOGS_METRICS
 
 from . import backends
-from .optimizer import DistributedOptimizer, broadcast_state
+from .optimizer import (WRAPPED_IN_LOSS_SCALE, DistributedOptimizer, broadcast_state,
+                        wrapped_in_loss_scale)
 
 
 def prepare_model(model) -> None:
     """Refuse the wrapping that deadlocks; switch XLA off before fit builds its train function."""
     opt = getattr(model, "optimizer", None)
-    if isinstance(opt, keras.optimizers.LossScaleOptimizer) and \
-            isinstance(opt.inner_optimizer, DistributedOptimizer):
-        raise ValueError("Keras wrapped hvd_scale's DistributedOptimizer in a LossScaleOptimizer "
-                         "(mixed_float16), which skips steps per rank before the allreduce: use "
-                         "DistributedOptimizer(LossScaleOptimizer(inner)) and compile with "
-                         "auto_scale_loss=False")
+    if wrapped_in_loss_scale(opt):
+        raise ValueError(WRAPPED_IN_LOSS_SCALE)
     if isinstance(opt, DistributedOptimizer) and getattr(model, "compiled", False) \
             and model.jit_compile:
         warnings.warn("hvd_scale: Horovod collectives cannot be compiled (XLA, torch.compile); "
@@ -36,8 +33,10 @@ def check_equal_steps(params: dict) -> None:
     """Every rank's ``fit`` must run as many steps: each step's allreduce needs every rank, and
     a rank with fewer batches ends its ``fit`` (and, exiting, Horovod) while the others still
     step ('Horovod has been shut down', or a hang at the next collective). One allgather of
-    (epochs, steps per epoch) at the start of each ``fit``, so every rank raises alike. Not
-    under elastic, where a joining worker starts its ``fit`` while the others train."""
+    (epochs, steps per epoch) at the start of each ``fit``, so every rank raises alike; data of
+    unknown length (a ``tf.data`` pipeline after ``filter``: steps None) cannot be checked and
+    is refused. Not under elastic, where a joining worker starts its ``fit`` while the others
+    train."""
     hvd = backends.current().hvd
     if hvd.size() == 1 or elastic():
         return
@@ -49,6 +48,13 @@ def check_equal_steps(params: dict) -> None:
                          f"({by_rank}): every rank must run the same number of batches (equal "
                          "shards: each rank n // workers samples, the remainder dropped; or the "
                          "same steps_per_epoch and epochs on every rank over repeated data)")
+    if any(steps is None for _, steps in seen):
+        raise ValueError("hvd_scale: model.fit over data of unknown length (steps per epoch "
+                         "None: a tf.data pipeline whose cardinality Keras cannot tell, e.g. after "
+                         "filter): the ranks cannot be checked to run as many batches, and a rank "
+                         "that runs out first ends its fit while the others wait in the "
+                         "allreduce. Pass steps_per_epoch (the same on every rank) over data that "
+                         "repeats (dataset.repeat())")
 
 
 class _PreparesModel(keras.callbacks.Callback):
@@ -110,7 +116,8 @@ class ScalingMetrics(_PreparesModel):
     lr_factor, progress, scale, sigma2, mu2, noise_scale, efficiency; ``lr`` and ``lr_factor``
     are what the latest step applied). With ``budget`` (baseline steps; default the
     optimizer's), sets ``model.stop_training`` after the batch whose step takes tau to the
-    budget: tau is the same on every rank, so every rank stops at the same batch.
+    budget: tau is the same on every rank, so every rank stops at the same batch (with
+    ``steps_per_execution > 1``, Keras calls back once per execution: at its end).
 
     ``average_metrics`` (default True): Keras's own epoch metrics (loss, accuracy, val_*: each
     rank's over its shard) become their mean over the ranks at each epoch's end, as Horovod's

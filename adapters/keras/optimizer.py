@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any
 
 import keras
@@ -55,6 +56,20 @@ _INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "
 # For adascale_adam: the Adam family's second-moment hyperparameters (its `_velocities` exist
 # once built).
 _ADAM_SLOTS = ("beta_2", "epsilon")
+
+
+WRAPPED_IN_LOSS_SCALE = (
+    "Keras wrapped hvd_scale's DistributedOptimizer in a LossScaleOptimizer (model.compile does "
+    "under the mixed_float16 dtype policy), which skips a step on a rank whose own gradients "
+    "overflow, before the allreduce: the other ranks would wait for it forever. Wrap the other "
+    "way, DistributedOptimizer(LossScaleOptimizer(inner)), and compile with "
+    "auto_scale_loss=False")
+
+
+def wrapped_in_loss_scale(optimizer) -> bool:
+    """A LossScaleOptimizer outside hvd_scale's (``WRAPPED_IN_LOSS_SCALE``)."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
+        isinstance(optimizer.inner_optimizer, DistributedOptimizer)
 
 
 def _lr_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -198,6 +213,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         """Accumulate, allreduce, let the policy account the step, apply it with lr x factor."""
         self._backend.check_context()
+        self._check_caller()
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -225,6 +241,19 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                 self._step(grads, variables, local, 1.0)
             else:
                 self._accumulate(grads, variables)
+
+    def _check_caller(self):
+        """Refuse a LossScaleOptimizer that calls this one's apply (``WRAPPED_IN_LOSS_SCALE``):
+        a custom loop or a fit without this package's callbacks, which say so at fit's start.
+        Its apply is a few frames up (Keras's cond and its finite branch)."""
+        frame = sys._getframe(2)
+        for _ in range(6):
+            if frame is None:
+                return
+            if wrapped_in_loss_scale(frame.f_locals.get("self")) and \
+                    frame.f_locals["self"].inner_optimizer is self:
+                raise ValueError(WRAPPED_IN_LOSS_SCALE)
+            frame = frame.f_back
 
     def _accumulate(self, grads, variables):
         if self.scaling.timings_read:  # this pass's gradients exist

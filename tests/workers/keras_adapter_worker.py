@@ -369,6 +369,66 @@ def case_timings():
     emit("timings", runs=out)
 
 
+def features_fit(*, spe=1, policy_name=None, wrap_loss_scale=False, callbacks=True, data=None,
+                 fit_kwargs=None):
+    """One fit of 12 steps (rank's 192 samples, batches of 16) from seed 3's weights: what it
+    ended with, or the error each rank saw."""
+    keras.config.set_dtype_policy(policy_name or "float64")
+    try:
+        x, y = dataset(hvd.rank(), 16 * 12)
+        model = make_model(seed=3)
+        inner = keras.optimizers.SGD(0.1, momentum=0.9)
+        if wrap_loss_scale:
+            inner = keras.optimizers.LossScaleOptimizer(inner)
+        log_dir = tempfile.mkdtemp()
+        opt = DistributedOptimizer(inner, policy="adascale", log_dir=log_dir)
+        model.compile(optimizer=opt, loss=LOSS, jit_compile=False, steps_per_execution=spe,
+                      **({"auto_scale_loss": False} if wrap_loss_scale else {}))
+        if data is not None:
+            x, y = data(x, y), None
+        error = error_of(lambda: model.fit(
+            x, y, batch_size=None if y is None else 16, epochs=1, shuffle=False, verbose=0,
+            callbacks=[BroadcastInitialState(), ScalingMetrics()] if callbacks else None,
+            **(fit_kwargs or {})))
+        opt.close()
+        rows = None
+        if hvd.rank() == 0 and os.path.exists(os.path.join(log_dir, "metrics.csv")):
+            with open(os.path.join(log_dir, "metrics.csv")) as f:
+                rows = [{k: float(r[k]) for k in ("step", "gain", "loss", "step_time")}
+                        for r in csv.DictReader(f)]
+        if error is not None:
+            return {"error": error}
+        return {"error": error, "weights": weights_vector(model).tolist(), "rows": rows,
+                "steps": int(keras.ops.convert_to_numpy(opt.iterations)), "gain": opt.gain,
+                "hash": weights_hash(model)}
+    finally:
+        keras.config.set_dtype_policy("float64")
+
+
+def case_features():
+    """#31 item 4: what Keras users switch on: steps_per_execution, the mixed dtype policies,
+    a tf.data pipeline of unknown length."""
+    import tensorflow as tf  # tf.data feeds either backend
+
+    def unknown_length(x, y):  # filter: cardinality unknown
+        return tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(16)
+
+    out = {
+        "reference": features_fit(),
+        "spe3": features_fit(spe=3),
+        "float32": features_fit(policy_name="float32"),  # the mixed policies' variables' dtype
+        "bfloat16": features_fit(policy_name="mixed_bfloat16"),
+        "float16_wrapped_by_keras": features_fit(policy_name="mixed_float16"),
+        "float16_wrapped_by_keras_no_callbacks": features_fit(policy_name="mixed_float16",
+                                                              callbacks=False),
+        "float16": features_fit(policy_name="mixed_float16", wrap_loss_scale=True),
+        "unknown_length": features_fit(data=unknown_length),
+        "unknown_length_repeated": features_fit(
+            data=lambda x, y: unknown_length(x, y).repeat(), fit_kwargs={"steps_per_epoch": 12}),
+    }
+    emit("features", **out)
+
+
 def new_checkpoint_model():
     model = make_model()
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
@@ -659,6 +719,7 @@ CASES = {
     "fit_accumulate": case_fit_accumulate,
     "checkpoint": case_checkpoint,
     "timings": case_timings,
+    "features": case_features,
     "nonfinite": case_nonfinite,
     "loss_scale": case_loss_scale,
     "jit": case_jit,
