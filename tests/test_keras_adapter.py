@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from adapt_checks import check_adapt_goodput, check_passes_change
 from hvdrun import WORKERS_DIR, per_rank, requires_horovod, run_cases
 
 pytestmark = [requires_horovod]
@@ -22,7 +23,8 @@ def results(tmp_path_factory):
                      test_dir=tmp_path_factory.mktemp("keras_adapter"), single=["resume_np1"])
 
 
-FIT_CASES = ["fit", "fit_unbuilt", "fit_accumulate", "checkpoint", "timings", "features"]
+FIT_CASES = ["fit", "fit_unbuilt", "fit_accumulate", "checkpoint", "timings", "features",
+             "adapt_goodput"]
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +289,23 @@ def test_tf_data_of_unknown_length(backend_results):
 
 
 @pytest.mark.timeout(480)
+def test_passes_changed_mid_run_equal_the_one_process_reference(results):
+    """#31 item 3: set_passes between steps of one traced train step, as the torch adapter
+    (adapt_checks); k is a variable the step reads: two traces in all (the first call traces
+    twice, creating the optimizer's variables), none per change of k."""
+    r0, r1 = both_ranks(results, "passes_change")
+    check_passes_change(r0, r1, NP)
+    assert r0["traces"] == 2
+
+
+@pytest.mark.timeout(480)
+def test_adapt_goodput_under_fit(backend_results):
+    """#31 item 3: adapt='goodput' under model.fit (the callbacks call adapt_passes), as the
+    torch adapter (adapt_checks)."""
+    check_adapt_goodput(*both_ranks(backend_results, "adapt_goodput"), NP)
+
+
+@pytest.mark.timeout(480)
 def test_save_and_load_continue_the_run(backend_results):
     results = backend_results
     r0, r1 = both_ranks(results, "checkpoint")
@@ -352,8 +371,11 @@ def test_bad_arguments_error_on_every_rank(results):
         assert e["unknown"] and "'adascalle'" in e["unknown"] and "adascale" in e["unknown"]
         assert e["bad_optimizer"] and "'Adam'" in e["bad_optimizer"] and "adascale_adam" in e["bad_optimizer"]
         assert e["keras_accumulation"] and "backward_passes_per_step" in e["keras_accumulation"]
-        # Issue #24: k cannot change under Keras's traced step; #21's comparison option is gone (#30).
-        assert e["adapt"] and "adapt='goodput'" in e["adapt"] and "torch" in e["adapt"]
+        # #31 item 3: adapt as in torch (max_passes needed), and a loop that never lets it
+        # choose is refused (#21's comparison option is gone: #30).
+        assert e["adapt"] and "needs max_passes" in e["adapt"]
+        assert e["adapt_forgotten"] and "adapt_passes() did not run after it" in e["adapt_forgotten"]
+        assert "after step 2" in e["adapt_forgotten"]
         assert e["adapt_none"] is None  # adapt=None, the torch default, is accepted
         assert e["horizon_previous"] and "horizon= was removed" in e["horizon_previous"]
         assert "different policies" in e["differ"] and "'sqrt'" in e["differ"]

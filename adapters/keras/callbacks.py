@@ -59,7 +59,9 @@ def check_equal_steps(params: dict) -> None:
 
 class _PreparesModel(keras.callbacks.Callback):
     """Checks the model's wrapping (and switches XLA off) as soon as fit hands it over, and
-    that every rank's fit runs as many steps (``check_equal_steps``)."""
+    that every rank's fit runs as many steps (``check_equal_steps``); with adapt="goodput", lets
+    the optimizer choose k after each batch (``adapt_passes``: once per step, whichever of these
+    callbacks calls first)."""
 
     def set_model(self, model):
         super().set_model(model)
@@ -67,6 +69,17 @@ class _PreparesModel(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         check_equal_steps(self.params)
+        opt = getattr(self.model, "optimizer", None)
+        spe = getattr(self.model, "steps_per_execution", 1)
+        if isinstance(opt, DistributedOptimizer) and opt.scaling.adapt is not None and spe != 1:
+            raise ValueError(f"hvd_scale: adapt={opt.scaling.adapt!r} chooses k between steps, and "
+                             f"Keras calls back once per execution (steps_per_execution={spe}): "
+                             "compile with steps_per_execution=1")
+
+    def on_train_batch_end(self, batch, logs=None):
+        opt = getattr(self.model, "optimizer", None)
+        if isinstance(opt, DistributedOptimizer) and opt.scaling.adapt is not None:
+            opt.adapt_passes()
 
 
 class BroadcastInitialState(_PreparesModel):
@@ -91,6 +104,7 @@ class BroadcastInitialState(_PreparesModel):
             self._broadcast()
 
     def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
         if not self.broadcast_done:
             if backends.current().hvd.rank() == self.root_rank:
                 warnings.warn("hvd_scale: the model had no variables before fit (no keras.Input): "
@@ -148,6 +162,7 @@ class ScalingMetrics(_PreparesModel):
         self._seen = (0, 0.0)  # (batches, Keras's running mean loss) in this epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
         opt = self._optimizer()
         if logs is not None and _number(logs.get("loss")):
             # Keras's batch logs hold the epoch's running mean: the batches since the last call

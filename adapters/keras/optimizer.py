@@ -35,6 +35,7 @@ import numpy as np
 from keras import ops
 
 from hvd_scale.adapters import environment
+from hvd_scale.adapters.adapt import ADAPT_EVERY, check_passes
 from hvd_scale.adapters.core import PLAN, USER_SETTINGS, Readout, Scaling, precondition, run_step
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
@@ -122,6 +123,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             --log-dir``), else none. A run-time setting: not part of ``get_config``.
         nonfinite: a step whose averaged gradient or statistics are not finite is skipped on
             every rank ("skip") or raises FloatingPointError ("raise"), as in the torch adapter.
+        adapt: "goodput" to let the ranks choose k (up to ``max_passes``) every ``adapt_every``
+            steps from rank 0's step timings and the gain at each k, as the torch adapter does.
+            k lives in the variable ``hvd_scale_passes``, which the traced step reads (no
+            retrace) and checkpoints keep; the choice is made eagerly between steps: the
+            callbacks do it under ``fit``, a custom loop calls ``adapt_passes()`` after each step.
         name: the optimizer's name.
 
     Base-optimizer arguments (clipnorm, weight_decay, use_ema, ...) are set on the inner
@@ -131,21 +137,14 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     def __init__(self, inner_optimizer: keras.optimizers.Optimizer, policy: str | Policy | None = None,
                  backward_passes_per_step: int = 1, *, scale: float | None = None,
                  budget: float | None = None, measure: bool | None = None,
-                 log_dir: str | None = None, nonfinite: str = "skip", name: str | None = None,
-                 **kwargs: Any):
+                 log_dir: str | None = None, nonfinite: str = "skip", adapt: str | None = None,
+                 max_passes: int | None = None, adapt_every: int = ADAPT_EVERY,
+                 name: str | None = None, **kwargs: Any):
         backend = backends.current()
         for arg in _INNER_ONLY:
             if arg in kwargs:
                 raise ValueError(f"DistributedOptimizer does not support `{arg}`. Instead, set "
                                  f"`{arg}` on the `inner_optimizer`.")
-        adapt, max_passes = kwargs.pop("adapt", None), kwargs.pop("max_passes", None)
-        if adapt is not None or max_passes is not None:
-            # Keras traces the step with k fixed (its accumulation in the graph, fit's loop):
-            # k cannot change under a running fit or a compiled train step.
-            raise ValueError(f"adapt={adapt!r}: adapting the passes per step while "
-                             "training is supported by the torch adapter "
-                             "(hvd_scale.adapters.torch.DistributedOptimizer(..., adapt='goodput', "
-                             "max_passes=K)); in Keras, set backward_passes_per_step")
         known = [f"`{arg}`: {_HOROVOD_ARGS[arg]}" for arg in kwargs if arg in _HOROVOD_ARGS]
         if known:  # hvd.DistributedOptimizer's arguments, met when a Horovod script is converted
             raise ValueError("DistributedOptimizer does not take Horovod's " + "; ".join(known))
@@ -171,7 +170,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                           log_dir=environment.log_dir(log_dir), log_every=environment.log_every(),
                           loss_after_step=True, nonfinite=nonfinite,
                           base_lrs=base_lrs, agreed=agreed, elastic=environment.elastic(),
-                          eps_placement=EPS_RAW)
+                          eps_placement=EPS_RAW, adapt=adapt, max_passes=max_passes,
+                          adapt_every=adapt_every)
         if scaling.policy.statistics == "preconditioned" and \
                 not all(hasattr(owner, a) for a in _ADAM_SLOTS):
             raise ValueError(f"policy {scaling.policy.name!r} measures Adam-preconditioned "
@@ -179,12 +179,16 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
 
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
-        self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = optimizer_name
         self.scaling = scaling
         self._backend = backend
-        self._config = {"scale": scale, "budget": budget, "measure": measure,
-                        "nonfinite": nonfinite}
+        self._config = {"backward_passes_per_step": backward_passes_per_step, "scale": scale,
+                        "budget": budget, "measure": measure, "nonfinite": nonfinite,
+                        **({"adapt": adapt, "max_passes": max_passes, "adapt_every": adapt_every}
+                           if adapt is not None else {})}
+        # The graph's shape: k > 1 or a k that may change accumulates (in variables).
+        self._accumulating = backward_passes_per_step > 1 or adapt is not None
+        self._adapted_at = None  # the steps after which adapt_passes() last ran
         # The step being traced: (local or mean grads, variables, s, c). Set past Keras's
         # attribute tracking, which would add the model's variables to the optimizer's.
         object.__setattr__(self, "_traced", None)
@@ -196,7 +200,12 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             shape=initial.shape, dtype="float64", aggregation="none", name="hvd_scale_state",
             initializer=lambda shape, dtype=None: ops.convert_to_tensor(initial, "float64"))
         self._accumulators = []
-        if self.backward_passes_per_step > 1:
+        if self.scaling.adapt is not None:
+            passes = self.scaling.passes
+            self._passes = self.add_variable(
+                shape=(), dtype="int32", aggregation="none", name="hvd_scale_passes",
+                initializer=lambda shape, dtype=None: ops.convert_to_tensor(passes, "int32"))
+        if self._accumulating:
             self._micro_steps = self.add_variable(shape=(), dtype="int32", aggregation="none",
                                                   name="hvd_scale_micro_steps")
             self._local_sqnorm = self.add_variable(shape=(), dtype="float64", aggregation="none",
@@ -236,7 +245,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         grads = [ops.convert_to_tensor(g) for g, _ in pairs]
         variables = [v for _, v in pairs]
         with keras.name_scope(self.name, caller=self):
-            if self.backward_passes_per_step == 1:
+            if not self._accumulating:
                 local = self._sqnorm_of(grads, variables) if self.scaling.measure else None
                 self._step(grads, variables, local, 1.0)
             else:
@@ -274,7 +283,74 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             self._local_sqnorm.assign(ops.convert_to_tensor(0.0, "float64"))
             self._micro_steps.assign(0)
 
-        ops.cond(self._micro_steps.value >= self.backward_passes_per_step, step, lambda: None)
+        ops.cond(self._micro_steps.value >= self._passes_now(), step, lambda: None)
+
+    def _passes_now(self):
+        """k for the step being traced: the variable with adapt (it changes between steps)."""
+        return self._passes.value if self.scaling.adapt is not None else self.scaling.passes
+
+    # -- adapt="goodput" and k ---------------------------------------------------------------------
+    @property
+    def backward_passes_per_step(self) -> int:
+        """k, the apply calls per optimizer step now (adapt="goodput" and ``set_passes`` change it)."""
+        self._follow_passes()
+        return self.scaling.passes
+
+    def _follow_passes(self, passes: int | None = None) -> None:
+        """The host's k (and S with it) follows ``hvd_scale_passes`` (``passes``: its value, in
+        the host call; else read eagerly): a checkpoint or an elastic sync restores the variable."""
+        if self.scaling.adapt is None or not self.built:
+            return
+        if passes is None:
+            if not self._backend.eager():
+                return
+            passes = int(ops.convert_to_numpy(self._passes.value))
+        if passes != self.scaling.passes:
+            self.scaling.set_passes(passes)
+
+    def set_passes(self, passes: int) -> None:
+        """Take k apply calls per step from the next step on: eagerly, between steps, on every rank
+        at the same step (``adapt_passes`` does). S follows in proportion. Needs adapt="goodput"
+        (k is then a variable the traced step reads)."""
+        k = check_passes(passes)
+        if self.scaling.adapt is None:
+            raise ValueError(f"set_passes({k}): k is fixed in the traced step of an optimizer "
+                             "built without adapt='goodput' (build it with adapt='goodput', "
+                             "max_passes=K to change k while training)")
+        if k > self.scaling.max_passes:
+            raise ValueError(f"set_passes({k}): above max_passes={self.scaling.max_passes}")
+        if not self._backend.eager():
+            raise RuntimeError("set_passes() runs eagerly, between steps, not inside a tf.function")
+        self._follow_passes()
+        if self.built and int(ops.convert_to_numpy(self._micro_steps.value)):
+            raise RuntimeError("set_passes() between apply calls of a step: call it after the "
+                               "step's last apply and before the next step's first")
+        self.scaling.set_passes(k)
+        if self.built:
+            self._passes.assign(k)
+
+    def adapt_passes(self) -> int:
+        """adapt="goodput": call after each optimizer step, eagerly, on every rank (under ``fit``
+        the callbacks do): every ``adapt_every`` steps the ranks take rank 0's choice of k (one
+        broadcast). Once per step; returns k."""
+        steps = self.scaling.policy.steps
+        if self.scaling.adapt is not None and steps != self._adapted_at:
+            self._adapted_at = steps
+            self._follow_passes()
+            self.set_passes(self.scaling.adapted_passes())
+        return self.scaling.passes
+
+    def _check_adapted(self, steps: int) -> None:
+        """In the host call, before step ``steps + 1``: a decision due after step ``steps`` was
+        taken (adapt_passes ran), else k would never adapt: refused alike on every rank."""
+        if self._adapted_at is None or steps < self._adapted_at:  # the first step here, or rolled back
+            self._adapted_at = steps
+        elif self.scaling.adaptation.due(steps) and self._adapted_at != steps:
+            raise RuntimeError(
+                f"hvd_scale: adapt='goodput' chooses k after step {steps}, but adapt_passes() did "
+                "not run after it: under model.fit pass ScalingMetrics or BroadcastInitialState "
+                "(with steps_per_execution=1); in a custom loop call optimizer.adapt_passes() "
+                "after each step, eagerly")
 
     # -- the hooks of adapters/protocol.py ------------------------------------------------------
     def _step(self, local_grads, variables, local_sqnorm, count):
@@ -307,8 +383,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             if self.scaling.timings_read else None
         reduced = self._backend.allreduce_average(tensors, ALLREDUCE_NAME, after=waiting)
         mean = reduced[:len(local_grads)]
-        if self.backward_passes_per_step > 1:  # the mean micro-gradient
-            mean = [g / ops.cast(self.backward_passes_per_step, g.dtype) for g in mean]
+        if self._accumulating:  # the mean micro-gradient
+            mean = [g / ops.cast(self._passes_now(), g.dtype) for g in mean]
         object.__setattr__(self, "_traced", (mean, variables, None, None))
         if not measure:
             # One fused read per tensor, as the statistics' (an isfinite and an all per tensor
@@ -354,19 +430,24 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         # A method, not a function defined here: TensorFlow's autograph rewrites functions defined
         # inside the traced step, and the rewritten one would pass every call it makes, every
         # step, through autograph's call wrapper.
+        passes = [] if self.scaling.adapt is None else [self._passes.value]
         new_state, plan = self._backend.host_call(
             functools.partial(self._host_step, fn, measured),
-            [self._state.value, statistics, finite, user_settings, loss_scale],
+            [self._state.value, statistics, finite, user_settings, loss_scale, *passes],
             name="hvd_scale_policy_step")
         self._state.assign(ops.reshape(new_state, self._state.shape))
         return ops.reshape(plan, (GROUPS, len(PLAN)))
 
-    def _host_step(self, fn, measured, state, statistics, finite, user_settings, loss_scale):
-        """The host side of ``on_host``, in numpy: the policy from the state variable, ``fn``,
-        and the new state with the plan."""
+    def _host_step(self, fn, measured, state, statistics, finite, user_settings, loss_scale,
+                   *passes):
+        """The host side of ``on_host``, in numpy: the policy from the state variable (and k
+        from ``hvd_scale_passes`` with adapt), ``fn``, and the new state with the plan."""
         self.scaling.clock.waited()  # the allreduce it depends on is over
         policy = self.scaling.policy
         policy.state = PolicyState.from_vector(state, GROUPS)
+        if passes:
+            self._follow_passes(int(passes[0]))
+            self._check_adapted(policy.steps)
         plan = fn(statistics if measured else None, bool(finite), user_settings, float(loss_scale))
         return policy.state.to_vector(GROUPS), np.asarray(plan, dtype=np.float64)
 
@@ -463,6 +544,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     def policy(self) -> Policy:
         """The engine's policy as ``hvd_scale_state`` holds it (read it eagerly): a new object
         each read, so reading changes nothing; before the first build, the initial policy."""
+        self._follow_passes()
         policy = self.scaling.policy
         if self.built and self._backend.eager():
             return policy.with_state(PolicyState.from_vector(
@@ -515,9 +597,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         # Constructor arguments only; the policy as its resolved spec (not $HVD_SCALE_POLICY).
         return {"name": self.name,
                 "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-                "policy": self.scaling.policy.spec,
-                "backward_passes_per_step": self.backward_passes_per_step,
-                **self._config}
+                "policy": self.scaling.policy.spec, **self._config}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

@@ -10,6 +10,7 @@ The model.fit cases (fit, fit_accumulate, checkpoint) run on either Keras backen
 
 import argparse
 import csv
+import dataclasses
 import hashlib
 import os
 import sys
@@ -122,6 +123,88 @@ def case_reference(k, use_function):
                      "max_param_diff": float(np.max(np.abs(weights_vector(model) - weights_vector(ref)))),
                      "lr_after": float(opt.learning_rate.numpy())})
     emit(f"reference_k{k}", scale=opt.scale, rows=rows, function=use_function)
+
+
+def case_passes_change():
+    """set_passes between steps (what adapt='goodput' does): k = 1, 1, 3, 3, 2, 2 on both ranks
+    in one traced train step (k is a variable: no retrace); gain, tau and weights equal the
+    one-process reference replaying the same micro-batches at S = 2k; the optimizer's variables
+    saved at k = 3 resume at k = 3 (S = 6) in an optimizer built at k = 1."""
+    size = hvd.size()
+
+    def build():
+        return DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale", adapt="goodput",
+                                    max_passes=4, adapt_every=10_000)
+
+    model, ref = make_model(), make_model()
+    opt = build()
+    train_step = tf.function(lambda x, y: opt.apply(grads_of(model, x, y), model.trainable_variables))
+    ref_est = GainEstimator(scale=size)
+    rows, saved = [], None
+    for step, k in enumerate([1, 1, 3, 3, 2, 2]):
+        if step == 4:  # before the change to k = 2: the state at k = 3
+            saved = ([keras.ops.convert_to_numpy(v.value) for v in opt.variables], model.get_weights())
+        if k != opt.backward_passes_per_step:
+            opt.set_passes(k)
+            ref_est.rescale(size * k)
+        for j in range(opt.backward_passes_per_step):
+            train_step(*micro_batch(hvd.rank(), step, j))
+        opt.adapt_passes()
+        per_micro = [flat(grads_of(ref, *micro_batch(r, step, j))) for r in range(size) for j in range(k)]
+        mean = np.mean(per_micro, axis=0)
+        gain = ref_est.update(sum(float(g @ g) for g in per_micro), float(mean @ mean), len(per_micro))
+        offset = 0
+        for v in ref.trainable_variables:
+            n = int(np.prod(v.shape))
+            v.assign(v.numpy() - LR * gain * mean[offset:offset + n].reshape(v.shape))
+            offset += n
+        rows.append({"k": k, "scale": opt.scale, "gain": opt.gain, "ref_gain": gain,
+                     "progress": opt.progress, "timing": {key: opt.metrics()[key] for key in (
+                         "passes", "workers", "pass_time", "overhead_time", "allreduce_time",
+                         "update_time", "step_time")},
+                     "diff": float(np.max(np.abs(weights_vector(model) - weights_vector(ref))))})
+    traces = train_step.experimental_get_tracing_count()
+    resumed_model = make_model()
+    resumed_model.set_weights(saved[1])
+    resumed = build()
+    resumed.build(resumed_model.trainable_variables)
+    for v, value in zip(resumed.variables, saved[0]):
+        v.assign(value)
+    emit("passes_change", rows=rows, traces=traces,
+         resumed={"k": resumed.backward_passes_per_step, "scale": resumed.scale,
+                  "progress": resumed.progress})
+
+
+def case_adapt_goodput():
+    """adapt='goodput' under model.fit on a model whose allreduce dwarfs its passes (a 1M-parameter
+    layer, 4 samples a pass, random labels: the gain is ~S): the ranks agree on k every 5 steps
+    (the callbacks call adapt_passes) and the job ends with k > 1."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(4096), keras.layers.Dense(2)])
+    opt = DistributedOptimizer(keras.optimizers.SGD(1e-3), policy="adascale", adapt="goodput",
+                               max_passes=8, adapt_every=5)
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+    rng = np.random.default_rng(hvd.rank())
+    x, y = rng.normal(size=(4 * 160, 256)), rng.integers(0, 2, 4 * 160)
+
+    class Ks(keras.callbacks.Callback):
+        """The k each step runs at (read as its first batch begins)."""
+
+        def __init__(self):
+            super().__init__()
+            self.ks, self.steps = [], None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if opt.policy.steps != self.steps:
+                self.steps = opt.policy.steps
+                self.ks.append(opt.backward_passes_per_step)
+
+    ks = Ks()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[BroadcastInitialState(), ScalingMetrics(), ks])
+    emit("adapt_goodput", ks=ks.ks, scale=opt.scale, final_k=opt.backward_passes_per_step,
+         checksum=float(sum(np.sum(w) for w in model.get_weights())),
+         model=dataclasses.asdict(opt.scaling.clock.model(hvd.size())))
 
 
 def case_dtypes():
@@ -611,6 +694,16 @@ def horovod_lr_callback():
                          LearningRateWarmupCallback(initial_lr=LR * hvd.size(), warmup_epochs=1)])
 
 
+def adapt_forgotten():
+    """A custom loop with adapt='goodput' that never calls adapt_passes(): refused at the step
+    after the first decision due."""
+    model = make_model()
+    opt = DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale", adapt="goodput",
+                               max_passes=4, adapt_every=2)
+    for step in range(4):
+        opt.apply(grads_of(model, *micro_batch(hvd.rank(), step, 0)), model.trainable_variables)
+
+
 def case_bad_policy():
     errors = {}
     attempts = {
@@ -620,7 +713,8 @@ def case_bad_policy():
         "keras_accumulation": lambda: DistributedOptimizer(
             keras.optimizers.SGD(LR, gradient_accumulation_steps=2), policy="linear"),
         "adapt": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale",
-                                              adapt="goodput", max_passes=4),
+                                              adapt="goodput"),
+        "adapt_forgotten": adapt_forgotten,
         "adapt_none": lambda: DistributedOptimizer(keras.optimizers.SGD(LR), policy="adascale",
                                                    adapt=None),
         "horizon_previous": lambda: DistributedOptimizer(keras.optimizers.Adam(),
@@ -641,7 +735,7 @@ def case_bad_policy():
         try:
             attempt()
             errors[name] = None
-        except (ValueError, TypeError, AttributeError) as e:
+        except (ValueError, TypeError, AttributeError, RuntimeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
     # Every rank is still in step: a collective completes.
     alive = float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="check.alive"))
@@ -720,6 +814,8 @@ CASES = {
     "checkpoint": case_checkpoint,
     "timings": case_timings,
     "features": case_features,
+    "passes_change": case_passes_change,
+    "adapt_goodput": case_adapt_goodput,
     "nonfinite": case_nonfinite,
     "loss_scale": case_loss_scale,
     "jit": case_jit,
