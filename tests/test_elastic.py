@@ -85,11 +85,12 @@ def test_adam_moments_are_kept_across_a_resize(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_a_worker_joins_at_the_passes_adapt_chose(tmp_path):
-    """Issue #24: k went from 1 to 2 at step 3 (set_passes, as adapt='goodput' does); the worker
-    that joins at step 6 takes k = 2 at the sync (else its passes and S would differ from the
-    others'), and S = workers x k throughout."""
-    steps, finals = run_elastic(tmp_path, 2, 3, worker_args=["--passes-at", "3"])
+@pytest.mark.parametrize("worker", [TORCH, KERAS])
+def test_a_worker_joins_at_the_passes_adapt_chose(tmp_path, worker):
+    """Issue #24 (#31 item 3: Keras too): k went from 1 to 2 at step 3 (set_passes, as
+    adapt='goodput' does); the worker that joins at step 6 takes k = 2 at the sync (else its
+    passes and S would differ from the others'), and S = workers x k throughout."""
+    steps, finals = run_elastic(tmp_path, 2, 3, worker_args=["--passes-at", "3"], worker=worker)
     assert [r["size"] for r in steps][0] == 2 and steps[-1]["size"] == 3
     for r in steps:
         assert r["scale"] == r["size"] * r["passes"], r
@@ -100,10 +101,12 @@ def test_a_worker_joins_at_the_passes_adapt_chose(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_a_worker_leaves_after_the_passes_changed(tmp_path):
-    """Issue #24: k went from 1 to 2 at step 3; a worker leaves at step 6: the two that remain keep
-    k = 2 (nothing to agree on: they both had it) and S = workers x k follows the world size."""
-    steps, finals = run_elastic(tmp_path, 3, 2, worker_args=["--passes-at", "3"])
+@pytest.mark.parametrize("worker", [TORCH, KERAS])
+def test_a_worker_leaves_after_the_passes_changed(tmp_path, worker):
+    """Issue #24 (#31 item 3: Keras too): k went from 1 to 2 at step 3; a worker leaves at step
+    6: the two that remain keep k = 2 (nothing to agree on: they both had it) and S = workers x k
+    follows the world size."""
+    steps, finals = run_elastic(tmp_path, 3, 2, worker_args=["--passes-at", "3"], worker=worker)
     assert steps[0]["size"] == 3 and steps[-1]["size"] == 2
     for r in steps:
         assert r["scale"] == r["size"] * r["passes"], r

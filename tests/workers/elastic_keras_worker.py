@@ -42,6 +42,9 @@ def main():
     p.add_argument("--horovod-run", action="store_true",
                    help="use hvd.elastic.run instead of hvd_scale's elastic_run")
     p.add_argument("--fit", action="store_true", help="train with model.fit and callbacks")
+    p.add_argument("--passes-at", type=int, default=None,
+                   help="with adapt='goodput': every rank sets 2 passes per step at this step "
+                        "(the custom loop)")
     args = p.parse_args()
     hvd.init()
     if TF:
@@ -53,7 +56,10 @@ def main():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(3)])
-    opt = DistributedOptimizer(keras.optimizers.SGD(0.2), policy="adascale", budget=args.budget)
+    adapt = {} if args.passes_at is None else \
+        {"adapt": "goodput", "max_passes": 2, "adapt_every": 10_000}  # k changed by hand below
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.2), policy="adascale", budget=args.budget,
+                               **adapt)
     state = ElasticState(model, opt, resized=False)
     run = hvd.elastic.run if args.horovod_run else elastic_run
 
@@ -88,7 +94,13 @@ def main():
         @run
         def train(state):
             while not opt.done():
-                train_step(*batch(opt.policy.steps, hvd.rank()))
+                x, y = batch(opt.policy.steps, hvd.rank())
+                for _ in range(opt.backward_passes_per_step):  # 2 after --passes-at
+                    train_step(x, y)
+                if args.passes_at is not None:
+                    opt.adapt_passes()
+                    if opt.policy.steps == args.passes_at:
+                        opt.set_passes(2)
                 after_step(hvd, args, state, opt)
                 state.commit()  # commits the policy with the weights, and checks for host changes
 
