@@ -39,6 +39,8 @@ Conventions and limits:
   ``gradient_accumulation_steps`` convention) averaged over workers. n = workers x k, S = n by
   default. Every worker must make the same number of ``apply`` calls (equal shard sizes; the
   callbacks check that every rank's ``fit`` runs as many steps: ``check_equal_steps``).
+  ``adapt="goodput"`` makes k a variable the traced step reads, chosen between steps
+  (``adapt_passes``: the callbacks call it under ``fit``).
 * A step whose averaged gradient or statistics are not finite is skipped on every rank: weights,
   inner optimizer state, statistics and tau stay (``policy.skipped`` counts it);
   ``nonfinite="raise"`` raises instead. With a ``LossScaleOptimizer`` inside, that optimizer
