@@ -72,7 +72,8 @@ class Scaling:
             policy's spec, S, T, passes, base lrs, measure, nonfinite, groups and the guard's
             settings they are compared across ranks in the one allgather at set-up.
         measure: take statistics although the policy does not need them; default: when the
-            policy needs them or metrics are logged.
+            policy needs them or metrics are logged. Never at S = 1 with one micro-gradient a
+            step (one process, k = 1, not elastic): there is nothing to measure.
         log_dir: per-step metrics on rank 0; None: none (the adapter resolves
             ``$HVD_SCALE_LOG_DIR``: ``environment.log_dir``).
         log_every: steps between rows (``adapters.log.due``; the adapter resolves
@@ -133,6 +134,11 @@ class Scaling:
         self.optimizer_name = optimizer_name
 
         def measured(built: Policy) -> bool:
+            # One micro-gradient at S = 1 (one process, k = 1, not elastic: it stays so) measures
+            # nothing, and the gain is 1 by definition: no statistics, no per-tensor work.
+            if built.scale == 1 and hvd.size() * self.passes == 1 and not elastic \
+                    and self.adaptation.adapt is None:
+                return False
             return bool(built.uses_statistics or log_dir is not None if measure is None else measure)
 
         base_lrs = dict(base_lrs) if isinstance(base_lrs, Mapping) else \

@@ -89,6 +89,20 @@ def averaged(grads, name):
     return flat(out)
 
 
+def reference_step(ref, estimator, step, size, k):
+    """One step of the one-process AdaScale reference (plain SGD at LR) over every rank's k
+    micro-batches of ``step``: its gain."""
+    per_micro = [flat(grads_of(ref, *micro_batch(r, step, j))) for r in range(size) for j in range(k)]
+    mean = np.mean(per_micro, axis=0)
+    gain = estimator.update(sum(float(g @ g) for g in per_micro), float(mean @ mean), len(per_micro))
+    offset = 0
+    for v in ref.trainable_variables:
+        n = int(np.prod(v.shape))
+        v.assign(v.numpy() - LR * gain * mean[offset:offset + n].reshape(v.shape))
+        offset += n
+    return gain
+
+
 # -- cases --------------------------------------------------------------------------------------
 
 def case_reference(k, use_function):
@@ -108,15 +122,7 @@ def case_reference(k, use_function):
     for step in range(4):
         for j in range(k):
             train_step(*micro_batch(hvd.rank(), step, j))
-        per_micro = [flat(grads_of(ref, *micro_batch(r, step, j)))
-                     for r in range(size) for j in range(k)]
-        mean = np.mean(per_micro, axis=0)
-        gain = ref_est.update(sum(float(g @ g) for g in per_micro), float(mean @ mean), len(per_micro))
-        offset = 0
-        for v in ref.trainable_variables:
-            n = int(np.prod(v.shape))
-            v.assign(v.numpy() - LR * gain * mean[offset:offset + n].reshape(v.shape))
-            offset += n
+        gain = reference_step(ref, ref_est, step, size, k)
         rows.append({"gain": opt.gain, "ref_gain": gain, "sigma2": opt.sigma2,
                      "ref_sigma2": ref_est.sigma2, "mu2": opt.mu2, "ref_mu2": ref_est.mu2,
                      "progress": opt.progress, "iterations": int(opt.iterations.numpy()),
@@ -150,14 +156,7 @@ def case_passes_change():
         for j in range(opt.backward_passes_per_step):
             train_step(*micro_batch(hvd.rank(), step, j))
         opt.adapt_passes()
-        per_micro = [flat(grads_of(ref, *micro_batch(r, step, j))) for r in range(size) for j in range(k)]
-        mean = np.mean(per_micro, axis=0)
-        gain = ref_est.update(sum(float(g @ g) for g in per_micro), float(mean @ mean), len(per_micro))
-        offset = 0
-        for v in ref.trainable_variables:
-            n = int(np.prod(v.shape))
-            v.assign(v.numpy() - LR * gain * mean[offset:offset + n].reshape(v.shape))
-            offset += n
+        gain = reference_step(ref, ref_est, step, size, k)
         rows.append({"k": k, "scale": opt.scale, "gain": opt.gain, "ref_gain": gain,
                      "progress": opt.progress, "timing": {key: opt.metrics()[key] for key in (
                          "passes", "workers", "pass_time", "overhead_time", "allreduce_time",

@@ -843,6 +843,7 @@ def case_one_process():
             loss_fn(ref, *micro_batch(0, step, 0)).backward()
             ref_opt.step()
         out[policy] = {"progress": opt.progress, "gain": opt.gain, "steps": opt.policy.steps,
+                       "hooks": len(opt._hooks), "measured": opt.scaling.measure,
                        "skipped": opt.policy.skipped, "lr": opt.param_groups[0]["lr"],
                        "max_diff_to_reference": float((params_vector(model) - params_vector(ref)).abs().max())}
     emit("one_process", **out)
