@@ -464,14 +464,17 @@ def _stop_engine(engine: Engine, signum: int, job_procs: list) -> None:
 def run_stoppable(cmd: Sequence[str], env: Mapping[str, str]) -> int:
     """subprocess.call(cmd, env=env), the child in a session of its own, so that a terminal's
     Ctrl-C reaches the driver alone, which stops the child's whole tree on JobStopped (its group
-    and every descendant: horovodrun, mpirun, Gloo's per-rank sessions, the ranks)."""
+    and every descendant: horovodrun, mpirun, Gloo's per-rank sessions, the ranks). A SIGINT
+    reaches them as SIGTERM, as horovodrun's own Ctrl-C stops its ranks: a rank of a Python
+    script would print a KeyboardInterrupt traceback each (save on SIGTERM to save on Ctrl-C)."""
     import psutil
 
     proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
     try:
         return proc.wait()
     except BaseException as e:  # JobStopped; anything else must not leave the job either
-        signum = e.signum if isinstance(e, JobStopped) else signal.SIGTERM
+        signum = e.signum if isinstance(e, JobStopped) and e.signum != signal.SIGINT \
+            else signal.SIGTERM
         try:
             procs = [psutil.Process(proc.pid)]  # not reaped yet (a zombie at worst)
         except psutil.NoSuchProcess:  # reaped just as the signal came

@@ -113,6 +113,8 @@ def _stop_and_check(driver: subprocess.Popen, job: list, signum: int, log: Path)
                       f"(exit {driver.returncode} after {took:.2f} s): {_describe(left)}")
     assert driver.returncode == 128 + signum, (driver.returncode, log.read_text())
     assert f"the job was stopped by {signal.Signals(signum).name}" in log.read_text()
+    # #32: Ctrl-C reaches the ranks as SIGTERM (as horovodrun's does): no traceback per rank.
+    assert "KeyboardInterrupt" not in log.read_text(), log.read_text()
 
 
 @requires_horovod
