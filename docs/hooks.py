@@ -8,7 +8,7 @@ What the site shows that the code already says is generated here at build time, 
   parser that the command line itself uses (``hvd_scale.launch.cli.build_parser()``);
 * ``<!-- generated: metrics -->``: the columns of ``metrics.csv``, from ``hvd_scale.metrics.METRICS``;
 * ``<!-- generated: conversion-diff -->``: examples/horovod_torch_before.py against its conversion,
-  examples/horovod_torch_after.py, as a diff;
+  examples/horovod_torch_after.py, as a diff (``conversion-diff-keras``: the Keras pair);
 * ``report/``: benchmarks/README.md and benchmarks/results/ (reports and plots) mirrored into the
   site as they are in the repository, so numbers are read from the results files themselves;
 * the API reference's sources: ``hvd_scale.adapters`` and ``hvd_scale.launch`` are installed from
@@ -212,19 +212,21 @@ def metrics_markdown() -> str:
     return "\n".join(rows)
 
 
-def conversion_diff_markdown() -> str:
-    """The conversion guide's example: examples/horovod_torch_before.py (a script in Horovod's own
-    style) against examples/horovod_torch_after.py (the same, converted), as a unified diff."""
+def conversion_diff_markdown(framework: str) -> str:
+    """The conversion guide's example: examples/horovod_<framework>_before.py (a script in
+    Horovod's own style) against examples/horovod_<framework>_after.py (the same, converted), as a
+    unified diff."""
     import difflib
 
-    before, after = (ROOT / "examples" / f"horovod_torch_{n}.py" for n in ("before", "after"))
+    before, after = (ROOT / "examples" / f"horovod_{framework}_{n}.py" for n in ("before", "after"))
     diff = difflib.unified_diff(before.read_text().splitlines(), after.read_text().splitlines(),
                                 f"examples/{before.name}", f"examples/{after.name}", lineterm="")
     return "```diff\n" + "\n".join(diff) + "\n```"
 
 
 GENERATORS = {"policies": policies_markdown, "cli": cli_markdown, "metrics": metrics_markdown,
-              "conversion-diff": conversion_diff_markdown}
+              "conversion-diff": lambda: conversion_diff_markdown("torch"),
+              "conversion-diff-keras": lambda: conversion_diff_markdown("keras")}
 
 
 def on_page_markdown(markdown: str, page, config, files: Files) -> str:
