@@ -58,7 +58,7 @@ def test_the_keras_pair():
     for policy in ("linear", None):
         flag = ["--policy", policy] if policy else []
         after = run_process([str(HVD_SCALE), "run", "-np", "2", "--gloo", *flag, "--",
-                             sys.executable, str(EXAMPLES / "horovod_keras_after.py"), "--epochs", "2"],
+                             sys.executable, str(EXAMPLES / "horovod_keras_after.py"), "--epochs", "1"],
                             timeout=180, env=worker_env(), what="hvd-scale run")
         assert f"hvd_scale: policy {policy or 'adascale'} at S = 2" in after.stderr
         ranks = rank_lines(after.stdout)
