@@ -18,9 +18,10 @@ operation in ``hvd_scale.adapters.core``. What this module does:
   nothing (the Python policy holds only the spec and S);
 * the step's lr is ``lr(floor(tau)) x factor``: the inner optimizer sees this value for the one
   ``apply`` call and nothing is written to the user's lr variable or ``LearningRateSchedule``;
-* when the metrics are logged, the step clock (``adapters.adapt.StepClock``) is stamped from the
-  step as it runs: each pass's gradients (k >= 2), the wait for the allreduce, its end (the host
-  call) and the update's end, each a small host call ordered by control dependencies.
+* when the metrics are logged or k adapts, the step clock (``adapters.adapt.StepClock``) is
+  stamped from the step as it runs: each pass's gradients (k >= 2), the wait for the allreduce,
+  its end (the host call) and the update's end, each a small host call ordered by control
+  dependencies.
 """
 
 from __future__ import annotations
