@@ -172,8 +172,10 @@ class Scaling:
 
     def start_line(self, log_dir: str | None) -> str:
         policy = self.policy
-        how = (f"the gain measured each step from {self._world_size * self.passes} "
-               "micro-gradients" if policy.uses_statistics else "a fixed factor")
+        n = self._world_size * self.passes
+        how = ("a fixed factor" if not policy.uses_statistics else
+               f"the gain measured each step from {n} micro-gradients" if self.measure else
+               "gain 1 (one micro-gradient a step at S = 1: nothing to measure)")
         return (f"hvd_scale: policy {policy.spec} at S = {policy.scale:g} ({self._world_size} "
                 f"worker(s) x {self.passes} pass(es)), {how}; "
                 + (f"budget T = {policy.budget:g} baseline steps" if policy.budget else

@@ -193,6 +193,11 @@ def test_rank_0_says_what_runs_at_the_start(capsys, tmp_path):
     assert capsys.readouterr().err == (f"hvd_scale: policy linear at S = 2 (1 worker(s) x 2 "
                                        f"pass(es)), a fixed factor; budget T = 100 baseline steps; "
                                        f"metrics in {tmp_path}\n")
+    # One micro-gradient at S = 1 (#31 item 1): nothing is measured, and the line says so.
+    one = Scaling(OneProcess(), policy="adascale", passes=1, scale=None, budget=None,
+                  optimizer_name="SGD", framework="toy", base_lrs=[LR], measure=True)
+    assert not one.measure
+    assert "gain 1 (one micro-gradient a step at S = 1: nothing to measure)" in capsys.readouterr().err
 
 
 def test_step_without_backward_says_what_to_call():
