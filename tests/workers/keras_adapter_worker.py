@@ -25,6 +25,7 @@ import numpy as np
 
 from _report import emit_result, error_of
 from hvd_scale import GainEstimator
+from hvd_scale.metrics import TIMING_METRICS
 from hvd_scale.adapters.keras import (BroadcastInitialState, CommitState, DistributedOptimizer,
                                       ElasticState, ScalingMetrics, broadcast_state, hvd)
 
@@ -87,6 +88,20 @@ def averaged(grads, name):
     """The mean over workers of each rank's gradient (what the adapter should apply)."""
     out = hvd.grouped_allreduce([tf.convert_to_tensor(g) for g in grads], op=hvd.Average, name=name)
     return flat(out)
+
+
+def timings(metrics):
+    """A metrics row's step timings (``hvd_scale.metrics.TIMING_METRICS``)."""
+    return {key: metrics[key] for key in TIMING_METRICS}
+
+
+def logged_rows(log_dir, keys):
+    """The metrics log's rows, ``keys`` as floats; None where no log was written (ranks but 0)."""
+    path = os.path.join(log_dir, "metrics.csv")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return [{key: float(row[key]) for key in keys} for row in csv.DictReader(f)]
 
 
 def reference_step(ref, estimator, step, size, k):
@@ -158,9 +173,7 @@ def case_passes_change():
         opt.adapt_passes()
         gain = reference_step(ref, ref_est, step, size, k)
         rows.append({"k": k, "scale": opt.scale, "gain": opt.gain, "ref_gain": gain,
-                     "progress": opt.progress, "timing": {key: opt.metrics()[key] for key in (
-                         "passes", "workers", "pass_time", "overhead_time", "allreduce_time",
-                         "update_time", "step_time")},
+                     "progress": opt.progress, "timing": timings(opt.metrics()),
                      "diff": float(np.max(np.abs(weights_vector(model) - weights_vector(ref))))})
     traces = train_step.experimental_get_tracing_count()
     resumed_model = make_model()
@@ -312,11 +325,8 @@ def case_fit():
     history = model.fit(x, y, batch_size=16, epochs=50, shuffle=False, verbose=0,
                         callbacks=[BroadcastInitialState(), recorder, ScalingMetrics(budget=budget)])
     opt.close()
-    csv_path = os.path.join(log_dir, "metrics.csv")
-    csv_loss = None
-    if os.path.exists(csv_path):  # rank 0 only
-        with open(csv_path) as f:
-            csv_loss = [float(r["loss"]) for r in csv.DictReader(f)]
+    rows = logged_rows(log_dir, ("loss",))  # rank 0's
+    csv_loss = None if rows is None else [r["loss"] for r in rows]
     emit("fit", losses=history.history["loss"], keys=sorted(history.history), csv_loss=csv_loss,
          epoch_gain=history.history["gain"], epoch_progress=history.history["progress"],
          epoch_lr=history.history["lr"], rows=recorder.rows, start_hash=recorder.start_hash,
@@ -373,15 +383,11 @@ def case_fit_accumulate():
     recorder = Recorder()
     history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[recorder])
     opt.close()
-    csv_path = os.path.join(log_dir, "metrics.csv")
-    csv_rows = None
-    if os.path.exists(csv_path):  # rank 0 only
-        with open(csv_path) as f:
-            csv_rows = list(csv.DictReader(f))
+    csv_rows = logged_rows(log_dir, ("progress",))  # rank 0's
     emit("fit_accumulate", losses=history.history["loss"], rows=recorder.rows,
          hash=weights_hash(model), scale=opt.scale, iterations=int(opt.iterations.numpy()),
          progress=opt.progress,
-         csv_progress=None if csv_rows is None else [float(r["progress"]) for r in csv_rows])
+         csv_progress=None if csv_rows is None else [r["progress"] for r in csv_rows])
 
 
 PASS_SLEEP, UPDATE_SLEEP = 0.02, 0.03  # seconds a pass's forward and an update take at least
@@ -440,13 +446,8 @@ def case_timings():
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
                   callbacks=[ScalingMetrics()])
         opt.close()
-        rows = report = None
-        if hvd.rank() == 0:
-            with open(os.path.join(log_dir, "metrics.csv")) as f:
-                rows = [{key: float(v) for key, v in r.items() if key in (
-                    "passes", "workers", "pass_time", "overhead_time", "allreduce_time",
-                    "update_time", "step_time", "time")} for r in csv.DictReader(f)]
-            report = advise(log_dir, workers=(1, 2, 4), passes=(1, 2, 4))
+        rows = logged_rows(log_dir, TIMING_METRICS + ("time",))  # rank 0's
+        report = None if rows is None else advise(log_dir, workers=(1, 2, 4), passes=(1, 2, 4))
         out[str(k)] = {"rows": rows, "advise": report}
     emit("timings", runs=out)
 
@@ -473,11 +474,7 @@ def features_fit(*, spe=1, policy_name=None, wrap_loss_scale=False, callbacks=Tr
             callbacks=[BroadcastInitialState(), ScalingMetrics()] if callbacks else None,
             **(fit_kwargs or {})))
         opt.close()
-        rows = None
-        if hvd.rank() == 0 and os.path.exists(os.path.join(log_dir, "metrics.csv")):
-            with open(os.path.join(log_dir, "metrics.csv")) as f:
-                rows = [{k: float(r[k]) for k in ("step", "gain", "loss", "step_time")}
-                        for r in csv.DictReader(f)]
+        rows = logged_rows(log_dir, ("step", "gain", "loss", "step_time"))  # rank 0's
         if error is not None:
             return {"error": error}
         return {"error": error, "weights": weights_vector(model).tolist(), "rows": rows,
