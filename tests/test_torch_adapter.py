@@ -303,6 +303,50 @@ def test_norms_do_not_overflow_for_finite_float32_tensors():
     assert [(n.dtype, n.dim()) for n in off] == [(torch.float64, 0)] * 2
 
 
+def test_norms_of_one_tensor_and_of_mixed_lists_are_exact():
+    """#31: a lone CPU tensor (a per-pass hook's) is normed without a vector's torch ops, to the
+    same float64 as through the fused path; lists of mixed dtypes are checked against overflow
+    and underflow whatever their first tensor (a float64 first skipped the check: a float32
+    tensor of 1e20 after it came out inf, a step of finite gradients called non-finite)."""
+    torch = pytest.importorskip("torch")
+    from hvd_scale.adapters.torch.optimizer import cpu_norm, norms
+
+    torch.manual_seed(0)
+    for scale in (1.0, 1e-21, 1e-30, 1e20):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            t = (torch.randn(1000) * scale).to(dtype)
+            exact = torch.linalg.vector_norm(t, dtype=torch.float64).item()
+            one, fused = cpu_norm(t), norms([t, t.clone()])[0].item()
+            assert one == fused, (scale, dtype)
+            if math.isfinite(exact) and exact > 0 and t.abs().max() > 0:
+                assert one == pytest.approx(exact, rel=1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6)
+    mixed = norms([torch.ones(2, dtype=torch.float64), torch.full((4, 3), 1e20),
+                   torch.full((5,), 1e-30)])
+    assert mixed[1].item() == pytest.approx(math.sqrt(12) * 1e20, rel=1e-6)
+    assert mixed[2].item() == pytest.approx(math.sqrt(5) * 1e-30, rel=1e-6)
+
+
+def test_all_finite_reads_without_changing_and_never_calls_finite_non_finite():
+    """The unmeasured step's check (torch's fused non-finite check, scaling by 1): every dtype,
+    values left bit for bit, one nan or inf anywhere found, large finite values (whose float32
+    squares overflow) finite, mixed dtypes and sparse gradients through the norms."""
+    torch = pytest.importorskip("torch")
+    from hvd_scale.adapters.torch.optimizer import all_finite
+
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        big = 6e4 if dtype == torch.float16 else 1e30
+        tensors = [torch.randn(7).to(dtype), torch.full((3,), big).to(dtype), torch.tensor([-0.0]).to(dtype)]
+        before = [t.clone() for t in tensors]
+        assert all_finite(tensors)
+        assert all(torch.equal(a, b) and a.signbit().equal(b.signbit()) for a, b in zip(tensors, before))
+        for bad in (math.nan, math.inf, -math.inf):
+            assert not all_finite(tensors + [torch.tensor([1.0, bad]).to(dtype)])
+    assert all_finite([]) and all_finite([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+    assert not all_finite([torch.ones(2), torch.tensor([math.inf], dtype=torch.float64)])
+    assert not all_finite([torch.sparse_coo_tensor([[0, 0]], [1.0, math.nan], (3,))])
+    assert all_finite([torch.sparse_coo_tensor([[0, 1]], [1e20, 2.0], (3,)), torch.ones(2)])
+
+
 @pytest.mark.timeout(300)
 def test_checkpoint_loaded_on_one_rank_only_is_detected_on_every_rank(results):
     for r in both_ranks(results, "one_rank_load"):
