@@ -13,7 +13,10 @@
    ratios.
 2. Plain DDP and fairscale 0.4.13's AdaScale over DDP (torch.distributed Gloo, 2 processes;
    benchmarks/ddp_fairscale.py); fairscale is installed into ~/.cache/hvd_scale only for this.
-Writes benchmarks/results/overhead.md and overhead.json.
+Writes benchmarks/results/overhead.md and overhead.json (``--out`` names them).
+#31's shapes: ``--passes 4`` (accumulation: every parameter's tensor hook runs in Python on each
+pass), ``--np 1`` (one process started as ``python train.py``: S = k), ``--models``, and
+``--no-anchor`` (no DDP / fairscale jobs).
 """
 
 from __future__ import annotations
@@ -63,13 +66,21 @@ def main(argv=None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help=f"comma-separated, of: {', '.join(SETTINGS)}")
     p.add_argument("--out", default="overhead", help="results/<out>.md and .json")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
+    p.add_argument("--passes", type=int, default=1, help="k backward passes per step (every variant)")
+    p.add_argument("--np", type=int, default=2, choices=(1, 2),
+                   help="1: one process started without horovodrun (S = k; the settings' cycle is Horovod's "
+                        "background thread, idle there)")
+    p.add_argument("--no-anchor", action="store_true", help="skip the DDP / fairscale jobs")
     args = p.parse_args(argv)
+    models = args.models.split(",")
     settings = {name: SETTINGS[name] for name in args.settings.split(",")}
     if args.quick:
         args.steps, args.repeats = 60, 1
     step_args = ["--steps", str(args.steps), "--warmup", "10", "--rounds", str(args.steps // 6),
-                 "--models", ",".join(MODELS)]
-    if not (FAIRSCALE / "fairscale").exists():
+                 "--models", ",".join(models)]
+    job_args = step_args + ["--passes", str(args.passes)]
+    if not args.no_anchor and not (FAIRSCALE / "fairscale").exists():
         subprocess.run([str(BIN / "python"), "-m", "pip", "install", "-q", "--no-deps",
                         "--no-build-isolation", "--target", str(FAIRSCALE), "fairscale==0.4.13"], check=True)
 
@@ -77,11 +88,14 @@ def main(argv=None) -> int:
     ddp_runs = []
     for _ in range(args.repeats):
         for name, env in settings.items():
-            cmd = horovodrun_command([BIN / "python", "benchmarks/torch_overhead.py", *step_args], 2,
-                                     controller=CONTROLLER.get(name, "gloo"))
+            worker = [BIN / "python", "benchmarks/torch_overhead.py", *job_args]
+            cmd = [str(a) for a in worker] if args.np == 1 else \
+                horovodrun_command(worker, 2, controller=CONTROLLER.get(name, "gloo"))
             out = timing.run_job(cmd, env, timeout=1200)
             hvd_runs[name].append({r["model"]: r for r in read_results(out)})
             print(name, {m: round(r["plain"]["median_ms"], 1) for m, r in hvd_runs[name][-1].items()}, flush=True)
+        if args.no_anchor:
+            continue
         out = timing.run_job([str(BIN / "python"), "benchmarks/ddp_fairscale.py"] + step_args,
                              {"PYTHONPATH": str(FAIRSCALE)}, timeout=1200)
         ddp_runs.append(read_results(out)[0])
@@ -90,14 +104,15 @@ def main(argv=None) -> int:
     def med(values):
         return statistics.median(values)
 
-    lines = ["# B2: step-time overhead (torch, np 2, Gloo unless the setting says MPI, one thread per process)", "",
+    shape = (f"np {args.np}" if args.np == 2 else "one process, no horovodrun") + \
+        (f", k = {args.passes} passes a step" if args.passes > 1 else "")
+    lines = [f"# B2: step-time overhead (torch, {shape}, Gloo unless the setting says MPI, one thread per process)", "",
              f"Step time (forward + backward + step), {args.steps} steps per variant after 10 of "
              f"warm-up, the variants taking turns in {args.steps // 6} rounds inside each job; "
              "ratios paired round by round (benchmarks/timing.py); median over "
              f"{args.repeats} job(s) per setting, each job's ratio in brackets. cnn: 1.06M parameters in 12 tensors (1-D); mlp: "
              "62,890 parameters in 120 tensors; cnn2d: 1.42M parameters in 10 tensors (2-D, most "
              "in one Linear); transformer: B4's model, 182,080 parameters in 69 tensors; batch 32 per worker.", ""]
-    models = MODELS
     lines += ["## hvd_scale against plain hvd.DistributedOptimizer (same job)", "",
               "| Horovod setting | model | plain ms | none / plain | adascale / plain |", "|---|---|---|---|---|"]
     summary = {}
@@ -111,21 +126,22 @@ def main(argv=None) -> int:
             summary[(name, m)] = {"plain": plain, "none": none, "adascale": ada, "adascale_ms": ada_ms}
             lines.append(f"| {name} | {m} | {plain:.1f} | {none:.3f} {_each(nones)} | "
                          f"{ada:.3f} {_each(adas)} |")
-    ddp = {m: med([r[m]["ddp"]["median_ms"] for r in ddp_runs]) for m in models}
-    fs = {m: med([r[m]["fairscale"]["median_ms"] for r in ddp_runs]) for m in models}
-    lines += ["", "## The anchor: DDP and fairscale AdaScale over DDP (torch.distributed, Gloo)", "",
-              "| model | DDP ms | fairscale AdaScale / DDP | plain Horovod (first setting) / DDP |", "|---|---|---|---|"]
-    first = next(iter(settings))
-    for m in models:
-        fs_ddp = med([r[m]["fairscale"]["ratio_to_ddp"] for r in ddp_runs])
-        lines.append(f"| {m} | {ddp[m]:.1f} | {fs_ddp:.3f} | "
-                     f"{summary[(first, m)]['plain'] / ddp[m]:.3f} |")
-    lines += ["", "## End to end: hvd_scale adascale (horovodrun) against fairscale AdaScale over DDP", "",
-              "| Horovod setting | model | hvd_scale adascale ms | / fairscale AdaScale |", "|---|---|---|---|"]
-    for name in settings:
+    if ddp_runs:
+        ddp = {m: med([r[m]["ddp"]["median_ms"] for r in ddp_runs]) for m in models}
+        fs = {m: med([r[m]["fairscale"]["median_ms"] for r in ddp_runs]) for m in models}
+        lines += ["", "## The anchor: DDP and fairscale AdaScale over DDP (torch.distributed, Gloo)", "",
+                  "| model | DDP ms | fairscale AdaScale / DDP | plain Horovod (first setting) / DDP |", "|---|---|---|---|"]
+        first = next(iter(settings))
         for m in models:
-            a = summary[(name, m)]["adascale_ms"]
-            lines.append(f"| {name} | {m} | {a:.1f} | {a / fs[m]:.3f} |")
+            fs_ddp = med([r[m]["fairscale"]["ratio_to_ddp"] for r in ddp_runs])
+            lines.append(f"| {m} | {ddp[m]:.1f} | {fs_ddp:.3f} | "
+                         f"{summary[(first, m)]['plain'] / ddp[m]:.3f} |")
+        lines += ["", "## End to end: hvd_scale adascale (horovodrun) against fairscale AdaScale over DDP", "",
+                  "| Horovod setting | model | hvd_scale adascale ms | / fairscale AdaScale |", "|---|---|---|---|"]
+        for name in settings:
+            for m in models:
+                a = summary[(name, m)]["adascale_ms"]
+                lines.append(f"| {name} | {m} | {a:.1f} | {a / fs[m]:.3f} |")
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
               f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, {platform.platform()}",
               f"- rerun: `.venv/bin/python benchmarks/overhead.py {shlex.join(sys.argv[1:])}`".rstrip()]

@@ -86,16 +86,18 @@ MODELS = {"cnn": (cnn, (1, 40)), "mlp": (mlp, (40,)), "cnn2d": (cnn2d, (3, 16, 1
           "transformer": (transformer, (_TransformerBench.SRC + _TransformerBench.TGT,))}
 
 
-def make_variant(kind: str, model: torch.nn.Module):
+def make_variant(kind: str, model: torch.nn.Module, passes: int = 1):
     base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if kind == "plain":
-        return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    return DistributedOptimizer(base, named_parameters=model.named_parameters(), policy=kind)
+        return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                        backward_passes_per_step=passes)
+    return DistributedOptimizer(base, named_parameters=model.named_parameters(), policy=kind,
+                                backward_passes_per_step=passes)
 
 
 def time_interleaved(variants: dict, shape, batch: int, rank: int, steps: int, warmup: int,
-                     rounds: int, baseline: str = "plain") -> dict:
-    """Step times (zero_grad, forward, backward, step) of each variant {kind: (model, opt)},
+                     rounds: int, baseline: str = "plain", passes: int = 1) -> dict:
+    """Step times (zero_grad, k x (forward, backward), step) of each variant {kind: (model, opt)},
     taking turns in `rounds` rounds (benchmarks/timing.py: ratios paired round by round).
     Every rank's step ends in the same collectives, so one rank's times speak for the job."""
     g = torch.Generator().manual_seed(rank)
@@ -106,7 +108,8 @@ def time_interleaved(variants: dict, shape, batch: int, rank: int, steps: int, w
     def step_of(model, opt):
         def step():
             opt.zero_grad()
-            loss_fn(model(x), y).backward()
+            for _ in range(passes):
+                loss_fn(model(x), y).backward()
             opt.step()
         return step
 
@@ -116,19 +119,20 @@ def time_interleaved(variants: dict, shape, batch: int, rank: int, steps: int, w
 
 
 def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int,
-        kinds=("plain", "none", "adascale")) -> dict:
+        kinds=("plain", "none", "adascale"), passes: int = 1) -> dict:
     build, shape = MODELS[model_name]
     variants = {}
     for kind in kinds:
         torch.manual_seed(0)
         model = build()
-        variants[kind] = (model, make_variant(kind, model))
+        variants[kind] = (model, make_variant(kind, model, passes))
     first = next(iter(variants.values()))[0]
     params = sum(p.numel() for p in first.parameters())
     tensors = sum(1 for _ in first.parameters())
     out = {"model": model_name, "params": params, "tensors": tensors, "batch": batch,
+           "passes": passes, "workers": hvd.size(),
            **time_interleaved(variants, shape, batch, hvd.rank(), steps, warmup, rounds,
-                              baseline=kinds[0])}
+                              baseline=kinds[0], passes=passes)}
     return out
 
 
@@ -140,12 +144,13 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=30, help="interleaving rounds")
     p.add_argument("--variants", default="plain,none,adascale")
+    p.add_argument("--passes", type=int, default=1, help="k backward passes per step (every variant)")
     args = p.parse_args(argv)
     hvd.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for name in args.models.split(","):
         result = run(name, args.steps, args.warmup, args.batch, args.rounds,
-                     tuple(args.variants.split(",")))
+                     tuple(args.variants.split(",")), args.passes)
         if hvd.rank() == 0:
             print_result({"rank": 0, **result})
     return 0
