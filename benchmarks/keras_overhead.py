@@ -1,11 +1,11 @@
 """B3: step time of the Keras adapter against a plain Horovod loop (TensorFlow backend).
 
-    .venv/bin/python benchmarks/keras_overhead.py      # 3 horovodrun -np 2 jobs, ~8 minutes
+    .venv/bin/python benchmarks/keras_overhead.py      # 3 horovodrun -np 2 jobs per setting, ~16 minutes
 
-Each job (Gloo, with the environment `hvd-scale run` gives CPU jobs: one thread, a 5 ms cycle)
-times variants, each a compiled (tf.function) custom training step, taking turns round by round
-(ratios to plain paired by round: benchmarks/timing.py); results/keras_overhead.md holds the
-median over the jobs. Variants:
+Each job (Gloo, one thread per process; with Horovod's defaults or with the environment
+`hvd-scale run` gives CPU jobs: a 5 ms cycle) times variants, each a compiled (tf.function)
+custom training step, taking turns round by round (ratios to plain paired by round:
+benchmarks/timing.py); results/keras_overhead.md holds the median over the jobs. Variants:
     plain     tf.GradientTape, hvd.grouped_allreduce of the gradients, SGD.apply
               (what horovod.tensorflow's DistributedGradientTape does; that class itself fails
               with Keras 3 variables)
@@ -124,40 +124,49 @@ def job(args) -> int:
     return 0
 
 
+# Horovod's own defaults (1 ms cycle) and what `hvd-scale run` sets for CPU jobs (5 ms, one thread).
+SETTINGS = {"launcher's (5 ms cycle)": CPU_ENV_DEFAULTS, "Horovod's defaults (1 ms cycle)": {}}
+
+
 def drive(args, argv) -> int:
-    """`--repeats` horovodrun jobs of this script, one after another; the median of their
-    paired ratios, written to results/keras_overhead.md and .json."""
+    """`--repeats` horovodrun jobs of this script per setting, the settings taking turns; the
+    median of their paired ratios, written to results/keras_overhead.md and .json."""
     python = pathlib.Path(sys.executable).parent / "python"
     cmd = horovodrun_command([python, "benchmarks/keras_overhead.py", "--job", "--steps",
                               args.steps, "--rounds", args.rounds, "--models", args.models],
                              2, controller="gloo")
-    runs = []
-    for _ in range(args.repeats):  # with what `hvd-scale run` sets for CPU jobs
-        runs.append({r["model"]: r for r in read_results(timing.run_job(cmd, CPU_ENV_DEFAULTS))})
-        print({m: round(r["adascale"]["ratio_to_plain"], 3) for m, r in runs[-1].items()}, flush=True)
-    lines = ["# B3: step-time overhead (Keras 3 adapter, TensorFlow backend, np 2, Gloo, 5 ms cycle, "
-             "one thread per process)", "",
+    settings = {name: SETTINGS[name] for name in SETTINGS if name.split(" ")[0] in args.settings.split(",")}
+    runs_of: dict = {name: [] for name in settings}
+    for _ in range(args.repeats):
+        for name, env in settings.items():
+            runs_of[name].append({r["model"]: r for r in read_results(timing.run_job(cmd, env))})
+            print(name, {m: round(r["adascale"]["ratio_to_plain"], 3) for m, r in runs_of[name][-1].items()},
+                  flush=True)
+    lines = ["# B3: step-time overhead (Keras 3 adapter, TensorFlow backend, np 2, Gloo, one thread "
+             "per process)", "",
              f"Compiled (tf.function) custom training steps taking turns in {args.rounds} rounds inside "
              f"each job ({args.steps} measured steps per variant); ratios to plain paired round by round "
              f"(benchmarks/timing.py); median over {args.repeats} jobs, each job's value in brackets.",
              "`plain` is tf.GradientTape + hvd.grouped_allreduce + SGD.apply (what "
              "DistributedGradientTape does; that class fails with Keras 3 variables).", "",
-             "| model | parameters (tensors) | plain ms | none / plain | adascale / plain |",
-             "|---|---|---|---|---|"]
-    for m in args.models.split(","):
-        rs = [r[m] for r in runs]
-        cells = []
-        for kind in ("none", "adascale"):
-            vals = [r[kind]["ratio_to_plain"] for r in rs]
-            cells.append(f"{statistics.median(vals):.3f} [{', '.join(f'{v:.3f}' for v in vals)}]")
-        plain = statistics.median(r["plain"]["median_ms"] for r in rs)
-        lines.append(f"| {m} | {rs[0]['params']:,} ({rs[0]['tensors']}) | {plain:.1f} | {cells[0]} | {cells[1]} |")
+             "| setting | model | parameters (tensors) | plain ms | none / plain | adascale / plain |",
+             "|---|---|---|---|---|---|"]
+    for name, runs in runs_of.items():
+        for m in args.models.split(","):
+            rs = [r[m] for r in runs]
+            cells = []
+            for kind in ("none", "adascale"):
+                vals = [r[kind]["ratio_to_plain"] for r in rs]
+                cells.append(f"{statistics.median(vals):.3f} [{', '.join(f'{v:.3f}' for v in vals)}]")
+            plain = statistics.median(r["plain"]["median_ms"] for r in rs)
+            lines.append(f"| {name} | {m} | {rs[0]['params']:,} ({rs[0]['tensors']}) | {plain:.1f} | "
+                         f"{cells[0]} | {cells[1]} |")
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
               f"- machine: {os.cpu_count()} CPUs, {platform.machine()}",
               f"- rerun: `.venv/bin/python benchmarks/keras_overhead.py {shlex.join(argv)}`".rstrip()]
     results = timing.ROOT / "benchmarks" / "results"
     (results / "keras_overhead.md").write_text("\n".join(lines) + "\n")
-    (results / "keras_overhead.json").write_text(json.dumps(runs, indent=1) + "\n")
+    (results / "keras_overhead.json").write_text(json.dumps(runs_of, indent=1) + "\n")
     print("\n".join(lines))
     return 0
 
@@ -170,7 +179,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--models", default="cnn,mlp,cnn2d")
-    p.add_argument("--repeats", type=int, default=3, help="jobs (the driver)")
+    p.add_argument("--repeats", type=int, default=3, help="jobs per setting (the driver)")
+    p.add_argument("--settings", default="launcher's,Horovod's",
+                   help="comma-separated, of: launcher's, Horovod's (the driver)")
     p.add_argument("--job", action="store_true", help="one job's worker (under horovodrun)")
     args = p.parse_args(argv)
     return job(args) if args.job else drive(args, argv)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
 from typing import Any
 
 import horovod.torch as hvd
@@ -48,6 +49,7 @@ SHARPNESS_NAME = "hvd_scale.sharpness"
 BUCKET_TENSORS = 16
 BUCKET_ELEMENTS = 1 << 18
 _HALF = (torch.float16, torch.bfloat16)
+_IS_SPARSE, _DTYPE = operator.attrgetter("is_sparse"), operator.attrgetter("dtype")
 
 
 def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -68,8 +70,10 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64)
     if len(tensors) == 1 and tensors[0].device.type == "cpu" and not tensors[0].is_sparse:
         return torch.tensor([cpu_norm(tensors[0])], dtype=torch.float64)
-    tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
-    fused = len({t.dtype for t in tensors}) == 1
+    # (map over C attribute getters: a bucket's per-tensor Python work is most of its cost)
+    if any(map(_IS_SPARSE, tensors)):
+        tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
+    fused = len(set(map(_DTYPE, tensors))) == 1
     if tensors[0].device.type != "cpu":
         if fused:
             return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64))
@@ -95,7 +99,7 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _floor(tensors: list[torch.Tensor]) -> float:
     """A float32 norm below this may have lost digits to underflow: some element's square fell
     below ``SMALLEST_MEAN_SQUARE`` (a bound from the largest tensor's mean square)."""
-    return math.sqrt(max(t.numel() for t in tensors) * SMALLEST_MEAN_SQUARE)
+    return math.sqrt(max(map(torch.Tensor.numel, tensors)) * SMALLEST_MEAN_SQUARE)
 
 
 def cpu_norm(t: torch.Tensor) -> float:
