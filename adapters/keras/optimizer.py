@@ -477,6 +477,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
 
     def _apply_inner(self, grads, variables, lr, adam):
         owner = _lr_owner(self.inner_optimizer)
+        dtypes = {keras.backend.standardize_dtype(v.dtype) for v in variables}
+        if len(dtypes) == 1:  # cast once here, not once per variable in Keras's update step
+            lr = ops.cast(lr, dtypes.pop())
         swaps = {"_learning_rate": lr}
         if adam is not None:
             beta_1, beta_2, epsilon, weight_decay = adam
