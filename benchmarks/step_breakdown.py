@@ -52,8 +52,12 @@ def run(model_name: str, rounds: int, per_round: int, warmup: int) -> dict:
                                      named_parameters=plain_model.named_parameters())
     ada = DistributedOptimizer(torch.optim.SGD(ada_model.parameters(), lr=0.01, momentum=0.9),
                                named_parameters=ada_model.named_parameters(), policy="adascale")
+    timed(ada, "_flush_bucket", times["adascale: a bucket's norms and sends (in backward)"])
+    timed(ada, "start_statistics", times["adascale: statistics enqueued (in backward)"])
     timed(ada._hvd_opt, "synchronize", times["adascale: wait for gradients"])
+    timed(ada, "_summed", times["adascale: statistics decoded"])
     timed(ada, "mean_sqnorms", times["adascale: |g_bar|^2"])
+    timed(ada, "on_host", times["adascale: host side (engine, checks, log)"])
     timed(ada.policy, "step", times["adascale: engine"])
     timed(ada._hvd_opt, "step", times["adascale: SGD update"])
     g = torch.Generator().manual_seed(hvd.rank())
@@ -71,8 +75,12 @@ def run(model_name: str, rounds: int, per_round: int, warmup: int) -> dict:
                 times[f"{kind}: forward + backward"].append(t1 - t0)
                 times[f"{kind}: step()"].append(t2 - t1)
                 times[f"{kind}: total"].append(t2 - t0)
+    # Per step: a bucket's figure is the sum over the step's buckets (steps x buckets calls).
+    steps = rounds * per_round
+    per_step = {k: ([sum(v[j * len(v) // steps:(j + 1) * len(v) // steps]) for j in range(steps)]
+                    if len(v) > steps else v) for k, v in times.items()}
     return {"model": model_name, "tensors": sum(1 for _ in plain_model.parameters()),
-            "median_ms": {k: 1000 * statistics.median(v[warmup:]) for k, v in times.items()}}
+            "median_ms": {k: 1000 * statistics.median(v[warmup:]) for k, v in per_step.items()}}
 
 
 def main(argv=None) -> int:

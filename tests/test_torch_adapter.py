@@ -343,8 +343,8 @@ def test_all_finite_reads_without_changing_and_never_calls_finite_non_finite():
             assert not all_finite(tensors + [torch.tensor([1.0, bad]).to(dtype)])
     assert all_finite([]) and all_finite([torch.ones(2), torch.ones(2, dtype=torch.float64)])
     assert not all_finite([torch.ones(2), torch.tensor([math.inf], dtype=torch.float64)])
-    assert not all_finite([torch.sparse_coo_tensor([[0, 0]], [1.0, math.nan], (3,))])
-    assert all_finite([torch.sparse_coo_tensor([[0, 1]], [1e20, 2.0], (3,)), torch.ones(2)])
+    assert not all_finite([torch.sparse_coo_tensor([[0, 0]], [1.0, math.nan], (3,), check_invariants=True)])
+    assert all_finite([torch.sparse_coo_tensor([[0, 1]], [1e20, 2.0], (3,), check_invariants=True), torch.ones(2)])
 
 
 @pytest.mark.timeout(300)
