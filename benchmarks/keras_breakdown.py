@@ -8,10 +8,10 @@ is the adapter's own graph):
     plain            GradientTape, hvd.grouped_allreduce, SGD.apply
     none             hvd_scale, policy none (finiteness from |g_bar|^2, the host call)
     adascale         hvd_scale, policy adascale (two reads of every gradient, the host call)
-    adascale, apply unconditional
-                     the same with the conditional apply (a skipped step must leave weights and
-                     optimizer slots untouched) traced as a plain apply: a measurement only,
-                     never a way to run
+    ..., <removal>   the same traced without one part (``REMOVALS``: the conditional apply,
+                     which a skipped step needs to leave weights and optimizer slots untouched;
+                     the engine's host call; the finiteness read): measurements only, never a
+                     way to run
 The floor (the two reads and the host call alone) is benchmarks/floor.py --keras.
 """
 
@@ -23,6 +23,8 @@ import os
 import shlex
 import sys
 import types
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import horovod.tensorflow as hvd  # noqa: E402
@@ -36,20 +38,47 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402
 from keras_overhead import MODELS, make_step  # noqa: E402
 
-UNCONDITIONAL = "adascale, apply unconditional"
+VARIANTS = {"none": ("none", ()), "adascale": ("adascale", ()),
+            "adascale, apply unconditional": ("adascale", ("apply unconditional",)),
+            "none, apply unconditional": ("none", ("apply unconditional",)),
+            "none, no host call": ("none", ("no host call",)),
+            "none, no finiteness read": ("none", ("no finiteness read",)),
+            "none, all three removed": ("none", ("apply unconditional", "no host call", "no finiteness read"))}
 
 
-def traced(kind: str, build, x, y, unconditional: bool = False):
+# Measurements only, never a way to run: each removes one part of the adapter's traced step.
+REMOVALS = {
+    "apply unconditional": "the conditional apply traced as a plain apply",
+    "no host call": "the engine's host call replaced by a plan made in the graph from the "
+                    "finiteness and the lr (no state written)",
+    "no finiteness read": "the averaged gradient's squared norm replaced by a constant",
+}
+
+
+def traced(kind: str, build, x, y, removed: tuple = ()):
+    """A compiled step of ``kind``, traced with the ``REMOVALS`` named in ``removed``."""
     keras.utils.set_random_seed(0)
     step = make_step(kind, build())
-    if unconditional:  # the optimizer module's `ops.cond` runs its true branch, for this trace
+    optimizer = keras_optimizer.DistributedOptimizer
+    backend = type(keras_optimizer.backends.current())
+    saved = {"on_host": optimizer.on_host, "sum_of_squares": backend.sum_of_squares}
+    if "apply unconditional" in removed:  # the optimizer module's `ops.cond` runs its true branch
         patched = {name: getattr(ops, name) for name in dir(ops) if not name.startswith("__")}
         patched["cond"] = lambda pred, true_fn, false_fn: true_fn()
         keras_optimizer.ops = types.SimpleNamespace(**patched)
+    if "no host call" in removed:  # a plan still made from the step's finiteness and lr
+        def on_host(self, fn, statistics, finite, user_settings, loss_scale):
+            factor = ops.reshape(ops.cast(finite, "float64"), (1, 1))
+            rest = ops.full((1, len(keras_optimizer.PLAN) - 2), np.nan, "float64")
+            return ops.concatenate([factor, user_settings[:, :1] * factor, rest], axis=1)
+        optimizer.on_host = on_host
+    if "no finiteness read" in removed:
+        backend.sum_of_squares = lambda self, tensors: tf.constant(1.0, tf.float64)
     try:
-        step(x, y)
+        step(x, y)  # traced here, with the removals
     finally:
         keras_optimizer.ops = ops
+        optimizer.on_host, backend.sum_of_squares = saved["on_host"], saved["sum_of_squares"]
     return lambda: step(x, y).numpy()
 
 
@@ -64,18 +93,19 @@ def main(argv=None) -> int:
     lines = ["# Where the Keras adapter's step time goes (one process, TensorFlow, one thread)", "",
              f"Compiled steps taking turns in {args.rounds} rounds of 6; ratios to plain paired "
              "round by round (benchmarks/timing.py).", "",
-             "| model | plain ms | none | adascale | adascale, apply unconditional (measurement only) |",
-             "|---|---|---|---|---|"]
+             "Measurements only (never a way to run), each traced without one part: "
+             + "; ".join(f"*{k}*: {v}" for k, v in REMOVALS.items()) + ".", "",
+             "| model | plain ms | " + " | ".join(VARIANTS) + " |", "|---|---|" + "---|" * len(VARIANTS)]
     for name in args.models.split(","):
         build, shape = MODELS[name]
         x = tf.random.stateless_normal((32, *shape), seed=(0, 0))
         y = tf.random.stateless_uniform((32,), seed=(0, 1), maxval=10, dtype=tf.int32)
-        variants = {"plain": traced("plain", build, x, y), "none": traced("none", build, x, y),
-                    "adascale": traced("adascale", build, x, y),
-                    UNCONDITIONAL: traced("adascale", build, x, y, unconditional=True)}
+        variants = {"plain": traced("plain", build, x, y)}
+        for label, (kind, removed) in VARIANTS.items():
+            variants[label] = traced(kind, build, x, y, removed)
         r = timing.summarize(timing.interleave(variants, args.rounds, 6, warmup=20), "plain")
         cells = [f"{r[k]['ratio_to_plain']:.3f} (+{r['plain']['median_ms'] * (r[k]['ratio_to_plain'] - 1):.2f} ms)"
-                 for k in ("none", "adascale", UNCONDITIONAL)]
+                 for k in VARIANTS]
         lines.append(f"| {name} | {r['plain']['median_ms']:.2f} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
