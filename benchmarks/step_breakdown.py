@@ -4,10 +4,12 @@
     (options: --models cnn,mlp --rounds 12 --per-round 6; set HOROVOD_CYCLE_TIME as the launcher does)
 
 Plain ``hvd.DistributedOptimizer`` and hvd_scale ``adascale`` train the same model in interleaved
-rounds; rank 0 prints median milliseconds per step of: forward + backward (where the norm hooks and
-the statistics enqueue run), ``step()``, and inside hvd_scale's step the parts it adds: waiting for
-the gradients (Horovod's synchronize), |g_bar|^2 (``_mean_sqnorms``), the engine (``Policy.step``),
-and the wrapped optimizer's update. Timing wrappers add ~1 us per call.
+rounds; rank 0 prints median milliseconds per step of: forward + backward (where the buckets' norms
+and sends and the statistics' enqueue run, each also timed), ``step()``, and inside hvd_scale's
+step the parts it adds: waiting for the gradients (Horovod's synchronize), decoding the
+statistics, |g_bar|^2 (``mean_sqnorms``), the host side (``on_host``) and in it the engine
+(``Policy.step``), and the wrapped optimizer's update. A part called several times a step (a
+bucket) is summed per step. Timing wrappers add ~1 us per call.
 """
 
 from __future__ import annotations
