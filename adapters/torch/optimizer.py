@@ -46,10 +46,7 @@ STATS_NAME = "hvd_scale.stats"
 SHARPNESS_NAME = "hvd_scale.sharpness"
 # Without accumulation the norms are taken in buckets of gradients as Horovod sends them: a
 # bucket goes out at this many tensors or elements (a bounded delay of the first allreduces).
-# Each bucket costs a dozen torch ops: 128 tensors (was 16) measured better on many small
-# tensors (paired, np 2: the 120-tensor MLP 1.09-1.26 against 1.21-1.33, B4's transformer
-# 0.95 against 1.09), where the elements bound still splits large models.
-BUCKET_TENSORS = 128
+BUCKET_TENSORS = 16
 BUCKET_ELEMENTS = 1 << 18
 _HALF = (torch.float16, torch.bfloat16)
 _IS_SPARSE, _DTYPE = operator.attrgetter("is_sparse"), operator.attrgetter("dtype")
