@@ -87,7 +87,8 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     out = (torch.stack(own(tensors)) if fused
            else torch.cat([own([t])[0].double().view(1) for t in tensors])).detach().double()
     values = out.numpy()
-    redo = np.flatnonzero(~np.isfinite(values) | (values < _floor(tensors)))
+    floor = _floor(max(map(torch.Tensor.numel, tensors)))
+    redo = np.flatnonzero(~np.isfinite(values) | (values < floor))
     if redo.size:
         exact = [tensors[i] for i in redo.tolist()]
         out[torch.from_numpy(redo)] = (
@@ -96,18 +97,17 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _floor(tensors: list[torch.Tensor]) -> float:
-    """A float32 norm below this may have lost digits to underflow: some element's square fell
-    below ``SMALLEST_MEAN_SQUARE`` (a bound from the largest tensor's mean square)."""
-    return math.sqrt(max(map(torch.Tensor.numel, tensors)) * SMALLEST_MEAN_SQUARE)
+def _floor(numel: int) -> float:
+    """A float32 norm of ``numel`` elements below this may have lost digits to underflow: its
+    mean square is below ``SMALLEST_MEAN_SQUARE`` (for a list, the largest tensor's: a bound)."""
+    return math.sqrt(numel * SMALLEST_MEAN_SQUARE)
 
 
 def cpu_norm(t: torch.Tensor) -> float:
     """``norms([t])`` of one dense CPU tensor as a Python float, the same value: the check is a
     float comparison instead of torch ops (a per-pass hook's norm: k x tensors a step)."""
     value = torch.linalg.vector_norm(t, dtype=torch.float32 if t.dtype in _HALF else None).item()
-    if t.dtype == torch.float64 or (math.isfinite(value)
-                                    and value >= math.sqrt(t.numel() * SMALLEST_MEAN_SQUARE)):
+    if t.dtype == torch.float64 or (math.isfinite(value) and value >= _floor(t.numel())):
         return value
     return torch.linalg.vector_norm(t, dtype=torch.float64).item()
 
