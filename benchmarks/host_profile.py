@@ -120,16 +120,18 @@ def run_shape(workers: int, passes: int, kind: str, steps: int, code: str | None
 
 
 def snapshot(rev: str, into: str) -> str:
-    """The package at ``rev`` as an importable tree (hvd_scale, hvd_scale.adapters, .launch)."""
-    tree = pathlib.Path(into)
+    """The package at ``rev`` as it installs, for PYTHONPATH: ``git archive`` into ``into``, laid
+    out by B4's ``snapshot`` (a directory of its own, removed with ``into`` by the caller)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import transformer_bleu as b4
+
+    tree = pathlib.Path(into) / "tree"
+    tree.mkdir()
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    pkg = tree / "pkg" / "hvd_scale"
-    pkg.parent.mkdir()
-    (tree / "hvd_scale").rename(pkg)
-    (tree / "adapters").rename(pkg / "adapters")
-    (tree / "launch").rename(pkg / "launch")
-    return str(pkg.parent)
+    code, _ = b4.snapshot(tree)
+    shutil.move(str(code), str(pathlib.Path(into) / "code"))
+    return str(pathlib.Path(into) / "code")
 
 
 def main(argv=None) -> int:
