@@ -46,7 +46,9 @@ STATS_NAME = "hvd_scale.stats"
 SHARPNESS_NAME = "hvd_scale.sharpness"
 # Without accumulation the norms are taken in buckets of gradients as Horovod sends them: a
 # bucket goes out at this many tensors or elements (a bounded delay of the first allreduces).
-BUCKET_TENSORS = 16
+# Each bucket costs a dozen torch ops whatever its size, so the tensor bound is loose (it was 16:
+# many small tensors paid for it, benchmarks/README B2) and the elements bound splits large models.
+BUCKET_TENSORS = 128
 BUCKET_ELEMENTS = 1 << 18
 _HALF = (torch.float16, torch.bfloat16)
 _IS_SPARSE, _DTYPE = operator.attrgetter("is_sparse"), operator.attrgetter("dtype")
