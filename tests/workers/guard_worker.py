@@ -43,12 +43,15 @@ def train(model, opt, steps, guarded=True):
     rows = []
     for step in range(steps):
         opt.zero_grad()
+        before = model.weight.detach().clone()
+        grad = torch.zeros(DIM, dtype=torch.float64)  # this rank's sum of its K micro-gradients
         for k in range(K):
             x, y = batch(hvd.rank(), step, k)
+            # d/dw mean((x w - y)^2) = 2 x^T (x w - y) / B, written out: p.grad cannot be read
+            # after the last pass, Horovod averages it in place in its background thread.
+            grad += 2 * x.T @ (x @ before.reshape(-1) - y) / BATCH
             loss = loss_of(model, x, y)
             loss.backward()
-        before = model.weight.detach().clone()
-        grad = model.weight.grad.detach().clone()  # this rank's sum of its K micro-gradients
         opt.step(guard_loss=(lambda: loss_of(model, x, y)) if guarded else None)
         m = opt.metrics()
         # The reference: the top eigenvalue of this rank's Hessian on the batch given to the guard.
