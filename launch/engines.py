@@ -565,6 +565,9 @@ class HorovodrunEngine:
     def run(self, fn: Callable[..., Any], args: Sequence[Any], job: Job) -> list[Any]:
         import horovod.runner
 
+        from .horovodrun import check_torch_first
+
+        check_torch_first()  # as hvd-scale-horovodrun: the build check, seconds sooner
         saved = dict(os.environ)
         os.environ.update(job.env)  # horovod.run hands os.environ to the workers
         try:

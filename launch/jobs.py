@@ -54,9 +54,15 @@ HOST_OPTIONS = frozenset({"--host-discovery-script", "--hostfile", "-hostfile"})
 # Starting a job
 
 def find_horovodrun() -> str | None:
-    """horovodrun beside this Python (a venv's bin/), else on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    return here if os.path.exists(here) else shutil.which("horovodrun")
+    """horovodrun beside this Python (a venv's bin/), else on PATH; where it is beside this
+    Python, ``hvd-scale-horovodrun`` (the same, with a build check seconds faster:
+    hvd_scale/launch/horovodrun.py) when installed there too."""
+    bin_dir = os.path.dirname(sys.executable)
+    here = os.path.join(bin_dir, "horovodrun")
+    if not os.path.exists(here):
+        return shutil.which("horovodrun")
+    faster = os.path.join(bin_dir, "hvd-scale-horovodrun")
+    return faster if os.path.exists(faster) else here
 
 
 def horovodrun_command(command: Sequence[Any], np: int | None = None, *,

@@ -46,6 +46,9 @@ REPO_ROOT = TESTS_DIR.parent
 # The venv's bin/ (not resolved: .venv/bin/python is a link to the base interpreter).
 BIN_DIR = Path(sys.executable).parent
 HOROVODRUN = BIN_DIR / "horovodrun"
+# What the tests start jobs with, as `hvd-scale run` does (jobs.find_horovodrun): horovodrun with
+# its build check asked of torch before TensorFlow (hvd_scale/launch/horovodrun.py).
+LAUNCHER = BIN_DIR / "hvd-scale-horovodrun"
 
 DEFAULT_WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -64,8 +67,9 @@ def horovod_missing_reason() -> str | None:
     """Why Horovod jobs cannot run here, or None when they can."""
     if importlib.util.find_spec("horovod") is None:
         return f"horovod is not importable from {sys.executable} (run `make setup`)"
-    if not HOROVODRUN.exists():
-        return f"horovodrun not found at {HOROVODRUN} (run `make setup`)"
+    for path in (HOROVODRUN, LAUNCHER):
+        if not path.exists():
+            return f"{path.name} not found at {path} (run `make setup`)"
     return None
 
 
@@ -100,12 +104,12 @@ def horovodrun_command(
     hosts: str | bool | None = None,
     hvd_args: Iterable[str] = (),
 ) -> list[str]:
-    """horovodrun for the tests: HOROVODRUN, a controller always (gloo or mpi), -H localhost:np
+    """horovodrun for the tests: LAUNCHER, a controller always (gloo or mpi), -H localhost:np
     unless hosts says otherwise (False: none, e.g. elastic jobs with discovery scripts)."""
     if controller not in ("gloo", "mpi"):
         raise ValueError(f"controller must be 'gloo' or 'mpi', not {controller!r}")
     return jobs.horovodrun_command(args, np, hosts=hosts, controller=controller,
-                                   extra_args=hvd_args, executable=HOROVODRUN)
+                                   extra_args=hvd_args, executable=LAUNCHER)
 
 
 def _tail(text: str | bytes | None, n: int = TAIL_CHARS) -> str:
@@ -172,10 +176,9 @@ def run_horovod(
     ["--timeline-filename", path]); hosts: the -H value (default localhost:np, False to omit).
     Raises AssertionError, with the output tails, on time-out and (if check) on a non-zero exit.
     """
-    if not HOROVODRUN.exists():
-        raise AssertionError(
-            f"horovodrun not found at {HOROVODRUN}: {horovod_missing_reason() or 'run make setup'}"
-        )
+    missing = horovod_missing_reason()
+    if missing:
+        raise AssertionError(missing)
     cmd = horovodrun_command(args, np=np, controller=controller, hosts=hosts, hvd_args=hvd_args)
     return run_process(cmd, timeout=timeout, env=worker_env(env), cwd=cwd, check=check,
                        what="Horovod job")

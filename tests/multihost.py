@@ -6,7 +6,7 @@
     @pytest.mark.timeout(120)
     def test_something(two_hosts):
         h = two_hosts
-        proc = h.run_on("a", [HOROVODRUN, "--gloo", "-np", "2", "-H", h.hosts(), *h.horovodrun_args(),
+        proc = h.run_on("a", [LAUNCHER, "--gloo", "-np", "2", "-H", h.hosts(), *h.horovodrun_args(),
                               sys.executable, str(script)], timeout=90)
 
 What the fixture sets up, per test, and always takes down again (also after a failure or a time-out):

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from hvdrun import HOROVODRUN, WORKERS_DIR, requires_horovod, run_horovod, worker_env, worker_results
+from hvdrun import HOROVODRUN, LAUNCHER, WORKERS_DIR, requires_horovod, run_horovod, worker_env, worker_results
 
 NP = 2
 
@@ -134,6 +134,32 @@ def test_tensorflow_collectives_eager_and_tf_function(controller):
         np.testing.assert_allclose(res["broadcast_variables0"], _c(0), err_msg=f"rank {res['rank']}")
 
 
+@pytest.mark.horovod
+@requires_horovod
+@pytest.mark.timeout(120)
+def test_the_launcher_asks_torch_whether_horovod_has_gloo(tmp_path):
+    """hvd-scale-horovodrun (what hvd-scale run and these tests start jobs with) is horovodrun
+    whose build check loads horovod.torch before TensorFlow (4-6 s a launch). A stand-in
+    tensorflow package on the driver's path leaves a mark when imported, and fails to import
+    (so plain horovodrun's check goes on to torch): plain horovodrun leaves it, the launcher not."""
+    from hvd_scale.launch.jobs import find_horovodrun
+
+    assert find_horovodrun() == str(LAUNCHER)
+    fake = tmp_path / "fake" / "tensorflow"
+    fake.mkdir(parents=True)
+    mark = tmp_path / "tensorflow-imported"
+    (fake / "__init__.py").write_text(f"open({str(mark)!r}, 'w').close()\n"
+                                      "raise ImportError('a stand-in tensorflow')\n")
+    env = worker_env({"PYTHONPATH": str(fake.parent)})
+    for launcher, imports_tf in ((HOROVODRUN, True), (LAUNCHER, False)):
+        mark.unlink(missing_ok=True)
+        proc = subprocess.run([str(launcher), "--gloo", "-np", "2", "-H", "localhost:2",
+                               sys.executable, str(WORKERS_DIR / "misbehave.py"), "fail", str(tmp_path)],
+                              capture_output=True, text=True, timeout=90, env=env)
+        assert proc.returncode != 0 and "MISBEHAVE-MARKER" in proc.stdout, proc.stdout + proc.stderr
+        assert mark.exists() is imports_tf, launcher
+
+
 # ----------------------------------------------------------------------------------------------
 # The helper itself: failures and hangs must surface as assertion errors, and leave no workers.
 
@@ -176,7 +202,7 @@ def test_run_horovod_failure_raises_with_output(tmp_path):
 def test_run_horovod_timeout_kills_every_worker(tmp_path):
     args = [sys.executable, str(WORKERS_DIR / "misbehave.py"), "hang", str(tmp_path)]
     with pytest.raises(AssertionError, match="timed out"):
-        run_horovod(args, np=NP, timeout=20)
+        run_horovod(args, np=NP, timeout=10)
     pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(NP)]
 
     def alive(pid):

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from hvdrun import BIN_DIR, HOROVODRUN, REPO_ROOT, WORKERS_DIR, requires_horovod, worker_results
+from hvdrun import BIN_DIR, LAUNCHER, REPO_ROOT, WORKERS_DIR, requires_horovod, worker_results
 from hvd_scale.launch.jobs import horovodrun_command, read_results
 from multihost import processes_matching, two_hosts  # noqa: F401 - two_hosts is the fixture
 
@@ -84,7 +84,7 @@ def test_a_worker_killed_on_host_b_ends_the_job_and_leaves_nothing(two_hosts):
     cmd = horovodrun_command([sys.executable, WORKERS_DIR / "multihost_kill_worker.py",
                               "--kill-host", h.names["b"], "--kill-at", "3", "--tag", tag], 2,
                              hosts=h.hosts(), controller="gloo", extra_args=h.horovodrun_args(),
-                             executable=HOROVODRUN)
+                             executable=LAUNCHER)
     proc = h.stream_on("a", cmd, timeout=90, on_line=on_line)
     ended = time.monotonic()  # stream_on returns once the job has exited
     assert proc.returncode != 0, _fail(proc, "the job went on without a rank")
@@ -147,7 +147,7 @@ def test_elastic_job_loses_host_b_and_gets_it_back(two_hosts, tmp_path):
                               hosts_file, "--budget", str(BUDGET), "--step-sleep", "0.2"], 2,
                              min_np=1, max_np=2, controller="gloo",
                              extra_args=["--host-discovery-script", discover, *h.horovodrun_args()],
-                             executable=HOROVODRUN)
+                             executable=LAUNCHER)
     proc = h.stream_on("a", cmd, timeout=200, on_line=on_line)
     assert proc.returncode == 0, _fail(proc, "elastic job")
     assert phase["n"] == 2, _fail(proc, f"resizes not reached: {events}")
