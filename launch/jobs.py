@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping, Sequence
 #   are short, and a longer cycle would delay every allreduce); one thread per worker stays, as
 #   torchrun sets it too.
 # TF_CPP_MIN_LOG_LEVEL=2: TensorFlow's INFO and WARNING notices (oneDNN, cpu features, absl) off;
-# horovodrun's own build check imports TensorFlow, so a torch job printed them too (errors stay).
+# plain horovodrun's build check imports TensorFlow, so a torch job printed them too (errors stay).
 CPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": "5", "TF_CPP_MIN_LOG_LEVEL": "2"}
 GPU_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
