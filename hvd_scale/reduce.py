@@ -36,6 +36,23 @@ import numpy as np
 WIRE_WIDE = 2.0 ** -200
 WIRE_NARROW = 2.0 ** 200
 SMALLEST_PLAIN = 2.0 ** -100
+
+
+def wire_copies(sums):
+    """What travels for ``sums`` (any array type): the plain sums, then times WIRE_WIDE, then
+    times WIRE_NARROW. The adapters concatenate them, in that order, before the count."""
+    return sums, sums * WIRE_WIDE, sums * WIRE_NARROW
+
+
+def wire_sums(plain, wide, narrow, xp):
+    """The sums back from the three copies summed over workers (float64), in the array library
+    ``xp`` (torch, keras.ops, numpy: anything with ``where`` and ``isfinite``): the plain sum
+    wherever it is finite and at least SMALLEST_PLAIN; else the scaled-down copy (overflow),
+    or the scaled-up one (digits lost below the smallest normal)."""
+    sums = xp.where(xp.isfinite(plain), plain, wide / WIRE_WIDE)
+    return xp.where((sums < SMALLEST_PLAIN) & xp.isfinite(narrow), narrow / WIRE_NARROW, sums)
+
+
 # A float32 norm (or sum of squares) is taken again in float64 where its mean square falls below
 # this: squares under float32's smallest normal lose digits (an element of 1e-22 squares to a
 # subnormal) and under 1.4e-45 vanish (at 1e-24 the float32 norm is 0).

@@ -40,7 +40,7 @@ from hvd_scale.adapters.adapt import ADAPT_EVERY, check_passes
 from hvd_scale.adapters.core import PLAN, USER_SETTINGS, Readout, Scaling, precondition, run_step
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
-from hvd_scale.reduce import SMALLEST_PLAIN, WIRE_NARROW, WIRE_WIDE
+from hvd_scale.reduce import wire_copies, wire_sums
 from hvd_scale.state import PolicyState
 
 from . import backends
@@ -376,8 +376,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
             local = ops.stack([local_sqnorm, ops.cast(count, "float64")])
             # Three copies of the sum (hvd_scale.reduce: the wire), then the count.
-            tensors.append(ops.cast(ops.concatenate([local[:1], local[:1] * WIRE_WIDE,
-                                                     local[:1] * WIRE_NARROW, local[1:]]),
+            tensors.append(ops.cast(ops.concatenate([*wire_copies(local[:1]), local[1:]]),
                                     "float64" if float64 else "float32"))
         # The passes are over once the local gradients (and statistics) exist: the wait starts.
         waiting = self._backend.stamp(self.scaling.clock.waiting, tensors) \
@@ -394,10 +393,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             return None, ops.isfinite(self._backend.sum_of_squares(mean))
         summed = ops.cast(reduced[-1], "float64") * self._backend.world_size()
         plain, wide, narrow, count = summed[:1], summed[1:2], summed[2:3], summed[3:]
-        s = ops.where(ops.isfinite(plain), plain, wide / WIRE_WIDE)
-        s = ops.where((s < SMALLEST_PLAIN) & ops.isfinite(narrow), narrow / WIRE_NARROW, s)
         q = ops.reshape(self._sqnorm_of(mean, variables), (1,))
-        return ops.concatenate([s, count, q]), ops.convert_to_tensor(True)
+        return ops.concatenate([wire_sums(plain, wide, narrow, ops), count, q]), ops.convert_to_tensor(True)
 
     def user_settings(self):
         """[[lr(floor(tau)), beta_1, beta_2, epsilon, weight decay, t]] (``core.USER_SETTINGS``;

@@ -37,7 +37,7 @@ from hvd_scale.adapters.core import USER_SETTINGS, Readout, Scaling, preconditio
 from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
-from hvd_scale.reduce import SMALLEST_MEAN_SQUARE, SMALLEST_PLAIN, WIRE_NARROW, WIRE_WIDE
+from hvd_scale.reduce import SMALLEST_MEAN_SQUARE, wire_copies, wire_sums
 
 from .hessian import hessian_top_eigenvalue
 from .process_set import ProcessSetBinding
@@ -415,8 +415,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         ``_summed`` turns the result into the float64 sum."""
         s = self.local_statistics()
         groups = len(self.param_groups)
-        wire = torch.cat([s[:groups], s[:groups] * WIRE_WIDE, s[:groups] * WIRE_NARROW,
-                          s[groups:]]).to(self._stats_dtype)
+        wire = torch.cat([*wire_copies(s[:groups]), s[groups:]]).to(self._stats_dtype)
         if self._alone:
             return wire  # the sum over one worker (Horovod's factors multiply to 1)
         return hvd.allreduce_async_(wire, op=self._op, name=STATS_NAME,
@@ -431,12 +430,8 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             reduced.mul_(self.scaling.hvd.size())
         plain, wide, narrow, count = (reduced[:groups], reduced[groups:2 * groups],
                                       reduced[2 * groups:3 * groups], reduced[3 * groups:])
-        # The sums as they are wherever they fit the wire's dtype; else the scaled-down copy
-        # (overflow), or the scaled-up one (digits lost below the smallest normal).
-        sums = torch.where(plain.isfinite(), plain, wide / WIRE_WIDE)
-        sums = torch.where((sums < SMALLEST_PLAIN) & narrow.isfinite(), narrow / WIRE_NARROW, sums)
         # A count of micro-batches, exact again after the average's rounding.
-        return torch.cat([sums, count.round()])
+        return torch.cat([wire_sums(plain, wide, narrow, torch), count.round()])
 
     def _norm(self, g: torch.Tensor) -> torch.Tensor:
         """[|g|] as a float64 vector of one (``norms``)."""
