@@ -4,8 +4,8 @@ benchmarks, the examples and the tests.
     from hvd_scale.launch.jobs import CPU_ENV_DEFAULTS, horovodrun_command, read_results
 
     cmd = horovodrun_command([sys.executable, "train.py"], 2, controller="gloo")
-    # [".venv/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", ".venv/bin/python",
-    #  "train.py"]
+    # [".venv/bin/hvd-scale-horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+    #  ".venv/bin/python", "train.py"]
     proc = subprocess.run(cmd, env={**os.environ, **CPU_ENV_DEFAULTS}, capture_output=True,
                           text=True)
     rank0 = next(r for r in read_results(proc.stdout) if r["rank"] == 0)
