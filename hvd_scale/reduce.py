@@ -37,6 +37,11 @@ WIRE_WIDE = 2.0 ** -200
 WIRE_NARROW = 2.0 ** 200
 SMALLEST_PLAIN = 2.0 ** -100
 
+# A float32 norm (or sum of squares) is taken again in float64 where its mean square falls below
+# this: squares under float32's smallest normal lose digits (an element of 1e-22 squares to a
+# subnormal) and under 1.4e-45 vanish (at 1e-24 the float32 norm is 0).
+SMALLEST_MEAN_SQUARE = 2.0 ** -100
+
 
 def wire_copies(sums):
     """What travels for ``sums`` (any array type): the plain sums, then times WIRE_WIDE, then
@@ -51,12 +56,6 @@ def wire_sums(plain, wide, narrow, xp):
     or the scaled-up one (digits lost below the smallest normal)."""
     sums = xp.where(xp.isfinite(plain), plain, wide / WIRE_WIDE)
     return xp.where((sums < SMALLEST_PLAIN) & xp.isfinite(narrow), narrow / WIRE_NARROW, sums)
-
-
-# A float32 norm (or sum of squares) is taken again in float64 where its mean square falls below
-# this: squares under float32's smallest normal lose digits (an element of 1e-22 squares to a
-# subnormal) and under 1.4e-45 vanish (at 1e-24 the float32 norm is 0).
-SMALLEST_MEAN_SQUARE = 2.0 ** -100
 
 
 def pack_local(group_sqnorms, micro_batches: int) -> np.ndarray:

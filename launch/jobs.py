@@ -48,6 +48,8 @@ RESULT_TAG = "RESULT"
 # horovodrun options that name the hosts themselves, so no default -H goes with them (elastic
 # discovery, or a hostfile such as the MPI Operator's /etc/mpi/hostfile).
 HOST_OPTIONS = frozenset({"--host-discovery-script", "--hostfile", "-hostfile"})
+# pyproject.toml's console script for hvd_scale/launch/horovodrun.py (horovodrun, faster to start).
+LAUNCHER_SCRIPT = "hvd-scale-horovodrun"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,7 +63,7 @@ def find_horovodrun() -> str | None:
     here = os.path.join(bin_dir, "horovodrun")
     if not os.path.exists(here):
         return shutil.which("horovodrun")
-    faster = os.path.join(bin_dir, "hvd-scale-horovodrun")
+    faster = os.path.join(bin_dir, LAUNCHER_SCRIPT)
     return faster if os.path.exists(faster) else here
 
 

@@ -48,7 +48,7 @@ BIN_DIR = Path(sys.executable).parent
 HOROVODRUN = BIN_DIR / "horovodrun"
 # What the tests start jobs with, as `hvd-scale run` does (jobs.find_horovodrun): horovodrun with
 # its build check asked of torch before TensorFlow (hvd_scale/launch/horovodrun.py).
-LAUNCHER = BIN_DIR / "hvd-scale-horovodrun"
+LAUNCHER = BIN_DIR / jobs.LAUNCHER_SCRIPT
 
 DEFAULT_WORKER_ENV = {
     "OMP_NUM_THREADS": "1",

@@ -139,7 +139,7 @@ def test_tensorflow_collectives_eager_and_tf_function(controller):
 @pytest.mark.timeout(120)
 def test_the_launcher_asks_torch_whether_horovod_has_gloo(tmp_path):
     """hvd-scale-horovodrun (what hvd-scale run and these tests start jobs with) is horovodrun
-    whose build check loads horovod.torch before TensorFlow (4-6 s a launch). A stand-in
+    whose build check loads horovod.torch before TensorFlow (8 s of a 10.7 s launch here). A stand-in
     tensorflow package on the driver's path leaves a mark when imported, and fails to import
     (so plain horovodrun's check goes on to torch): plain horovodrun leaves it, the launcher not."""
     from hvd_scale.launch.jobs import find_horovodrun
