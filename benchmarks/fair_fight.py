@@ -3,6 +3,7 @@ AdaScale untuned, and what the tuning costs.
 
     .venv/bin/python benchmarks/fair_fight.py --bench b1                 # MNIST-1D, SGD: S = 16, 64
     .venv/bin/python benchmarks/fair_fight.py --bench b4 --scales 8,32   # Transformer, Adam
+    .venv/bin/python benchmarks/fair_fight.py --bench b4short            # the same, T = 1200
     .venv/bin/python benchmarks/fair_fight.py --report-only
 
 B1 and B4 give every policy the same budget in tau (baseline steps of progress): a fixed rule at S
@@ -16,7 +17,11 @@ lr. This does that, for each bench and S:
    step count.
 3. Each fixed rule at budget N x S (so N optimizer steps, the rule's warm-up over its share of it)
    with the baseline peak lr swept at seed 0 over a grid of halvings of the baseline's, extended
-   until the best lr is inside it (bracketed); then seeds 1 and 2 at the best lr.
+   until the best lr is inside it (bracketed); then seeds 1 and 2 at the best lr. The first rule's
+   grid is (1/4, 1/2, 1) x the baseline lr; a later rule's is the power of two nearest the lr whose
+   peak (lr x the rule's factor at S) equals the previous rule's best peak, and its neighbours, so
+   that linear at S = 128 does not spend its first runs at 128 x an lr that sqrt already found
+   too high. The tuning counts of the later rules are therefore counts after the first rule's.
 
 Each run evaluates every budget / 20 of tau (training seconds counted without the evaluations), so
 the steps and the seconds to reach the target are read off its curve. The tuning cost of a rule is
@@ -42,6 +47,7 @@ import time
 import transformer_bleu as b4
 
 from hvd_scale.launch.jobs import CPU_ENV_DEFAULTS, horovodrun_command, read_results
+from hvd_scale.policies import make_policy
 
 ROOT = b4.ROOT
 RESULTS = b4.RESULTS
@@ -60,6 +66,13 @@ BENCHES = {
            "data": "translation_data.py", "adascale": "adascale_adam", "lr": 0.008, "budget": 2400,
            "scales": "8,32,128", "metric": "bleu", "unit": "BLEU", "times": 1.0, "margin": 1.0,
            "extra": []},
+    # B4's short-budget regime, where S = 1 is not converged (its own table in B4): S = 8 and 32
+    # as there.
+    "b4short": {"title": f"B4, short budget: T = {b4.SHORT_BUDGET} (S = 1 not converged; doubling T "
+                         "still gains ~12 BLEU)", "script": "torch_translate.py",
+                "data": "translation_data.py", "adascale": "adascale_adam", "lr": 0.008,
+                "budget": b4.SHORT_BUDGET, "scales": "8,32", "metric": "bleu", "unit": "BLEU",
+                "times": 1.0, "margin": 1.0, "extra": []},
 }
 SEEDS = 3
 EVALS = 20  # evaluations per run (every budget / EVALS of tau)
@@ -192,11 +205,11 @@ class Runner:
         b = self.bench
         return self.ensure([self.spec(b["adascale"], S, seed, b["lr"], b["budget"]) for seed in range(SEEDS)])
 
-    def sweep(self, rule: str, S: int, steps: int) -> tuple[float | None, list[dict]]:
-        """The seed-0 sweep of the rule's baseline lr at ``steps`` optimizer steps, extended by
-        halvings (or doublings) until the best lr is inside the grid: (best lr, the sweep's runs)."""
+    def sweep(self, rule: str, S: int, steps: int, mults: list[float]) -> tuple[float | None, list[dict]]:
+        """The seed-0 sweep of the rule's baseline lr at ``steps`` optimizer steps from the grid
+        ``mults`` (multiples of the baseline lr), extended by halvings (or doublings) until the best
+        lr is inside it: (best lr, the sweep's runs)."""
         lr0, budget = self.bench["lr"], steps * S
-        mults = list(GRID)
         while True:
             runs = self.ensure([self.spec(rule, S, 0, lr0 * m, budget) for m in mults])
             if any(r is None for r in runs):
@@ -214,10 +227,26 @@ class Runner:
         if not all(ok(r) for r in ada):
             return
         steps = round(statistics.mean(r["steps"] for r in ada))
+        before = None  # (rule, best multiple of the baseline lr) of the rule swept before
         for rule in rules:
-            lr, _ = self.sweep(rule, S, steps)
-            if lr is not None:
-                self.ensure([self.spec(rule, S, seed, lr, steps * S) for seed in range(1, SEEDS)])
+            mults = list(GRID) if before is None else matched_grid(*before, rule, S, steps * S)
+            lr, _ = self.sweep(rule, S, steps, mults)
+            if lr is None:
+                return
+            self.ensure([self.spec(rule, S, seed, lr, steps * S) for seed in range(1, SEEDS)])
+            before = rule, lr / self.bench["lr"]
+
+
+def peak_factor(rule: str, S: int, budget: int) -> float:
+    """The rule's lr factor at S once its warm-up is over (the engine's own formula)."""
+    return make_policy(rule, scale=S, budget=budget).rule_factor(budget, S, 1.0)
+
+
+def matched_grid(rule: str, best: float, nxt: str, S: int, budget: int) -> list[float]:
+    """The first grid of rule ``nxt`` after ``rule`` was best at ``best`` x the baseline lr: the
+    power of two nearest the multiple whose peak equals that best peak, and its neighbours."""
+    centre = 2.0 ** round(math.log2(best * peak_factor(rule, S, budget) / peak_factor(nxt, S, budget)))
+    return [centre / 2, centre, centre * 2]
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -330,8 +359,9 @@ def write_report(runs: list[dict]) -> None:
     lines = ["# The fair fight: fixed rules at AdaScale's step count, lr tuned (issue #33)", "",
              "Each fixed rule gets AdaScale's mean optimizer step count at that S (budget = steps x S "
              "in tau; its warm-up is its share of that budget) and a sweep of the baseline peak lr at "
-             "seed 0 (halvings of the baseline's, extended until the best is inside), then 3 seeds at "
-             "the best lr. AdaScale runs untuned, at the baseline lr. 'Steps / seconds to target': "
+             "seed 0 (the first rule: 1/4, 1/2, 1 x the baseline's; a later rule: around the lr whose "
+             "peak matches the previous rule's best peak; extended by halvings or doublings until "
+             "the best is inside), then 3 seeds at the best lr. AdaScale runs untuned, at the baseline lr. 'Steps / seconds to target': "
              f"the first of {EVALS} evaluations per run at or above the target (mean over the seeds "
              "that reach it); seconds are training time without the evaluations, on this machine "
              "(2 cores, np 2, Gloo; other work may have shared it). 'Tuning runs': the sweep's runs "
@@ -346,8 +376,9 @@ def write_report(runs: list[dict]) -> None:
     dates = [r["date"] for r in runs]
     lines += [f"- runs: {len(runs)} in fair_fight_runs.json, dated {min(dates, default='-')} to "
               f"{max(dates, default='-')} UTC",
-              "- rerun: `.venv/bin/python benchmarks/fair_fight.py --bench b1` and `--bench b4 "
-              "[--scales 8,32,128] [--rules ...]` (stored runs are kept; delete the store to rerun)"]
+              "- rerun: `.venv/bin/python benchmarks/fair_fight.py --bench b1`, `--bench b4 "
+              "[--scales 8,32,128] [--rules ...]` and `--bench b4short` (stored runs are kept; "
+              "delete the store to rerun)"]
     (RESULTS / "fair_fight.md").write_text("\n".join(lines) + "\n")
 
 
