@@ -536,13 +536,16 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     if not args.report_only:
         logged = {int(s) for s in args.log_scales.split(",") if s}
-        for phase in args.phase:
-            specs = phase_specs(args, phase)
-            for s in specs:
-                if phase in ("converged", "verify") and s["policy"] == ADASCALE and s["seed"] == 0 \
-                        and s["scale"] in logged and s["optimizer"] == "adam":
-                    s["log_dir"] = log_dir(s["policy"], s["scale"])
-            runner.ensure(specs, rerun=phase == "verify")
+        try:
+            for phase in args.phase:
+                specs = phase_specs(args, phase)
+                for s in specs:
+                    if phase in ("converged", "verify") and s["policy"] == ADASCALE and s["seed"] == 0 \
+                            and s["scale"] in logged and s["optimizer"] == "adam":
+                        s["log_dir"] = log_dir(s["policy"], s["scale"])
+                runner.ensure(specs, rerun=phase == "verify")
+        finally:  # the code copied for the runs
+            shutil.rmtree(SNAPSHOT, ignore_errors=True)
     write_report(args, runner.runs, runner.code, time.perf_counter() - start)
     print((RESULTS / "bleu.md").read_text())
     return 0
