@@ -39,7 +39,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import statistics
 import subprocess
 import sys
@@ -393,13 +392,9 @@ def main(argv=None) -> int:
     if not args.report_only:
         for name in args.bench:
             runner = Runner(name, args)
-            try:
-                runner.baseline()
-                for S in (int(s) for s in (args.scales or BENCHES[name]["scales"]).split(",")):
-                    runner.fight(S, args.rules.split(";"))
-            finally:  # the code copied for the runs (b4.snapshot)
-                if runner.snapshot is not None:
-                    shutil.rmtree(runner.snapshot, ignore_errors=True)
+            runner.baseline()
+            for S in (int(s) for s in (args.scales or BENCHES[name]["scales"]).split(",")):
+                runner.fight(S, args.rules.split(";"))
     write_report(load())
     print((RESULTS / "fair_fight.md").read_text())
     return 0

@@ -103,10 +103,13 @@ def code_hash(source: pathlib.Path = ROOT) -> str:
 
 def snapshot(source: pathlib.Path) -> tuple[pathlib.Path, str]:
     """Copy the code of ``source`` (a checkout) to a temporary directory as it installs; returns
-    the directory (for PYTHONPATH, and its examples/) and the code's hash."""
+    the directory (for PYTHONPATH, and its examples/) and the code's hash. The directory is removed
+    when this process exits (a caller may move it elsewhere first)."""
+    import atexit
     import tempfile
 
     out = pathlib.Path(tempfile.mkdtemp(prefix="b4code-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(source / "hvd_scale", out / "hvd_scale", ignore=ignore)
     for sub in ("adapters", "launch"):
@@ -536,16 +539,13 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     if not args.report_only:
         logged = {int(s) for s in args.log_scales.split(",") if s}
-        try:
-            for phase in args.phase:
-                specs = phase_specs(args, phase)
-                for s in specs:
-                    if phase in ("converged", "verify") and s["policy"] == ADASCALE and s["seed"] == 0 \
-                            and s["scale"] in logged and s["optimizer"] == "adam":
-                        s["log_dir"] = log_dir(s["policy"], s["scale"])
-                runner.ensure(specs, rerun=phase == "verify")
-        finally:  # the code copied for the runs
-            shutil.rmtree(SNAPSHOT, ignore_errors=True)
+        for phase in args.phase:
+            specs = phase_specs(args, phase)
+            for s in specs:
+                if phase in ("converged", "verify") and s["policy"] == ADASCALE and s["seed"] == 0 \
+                        and s["scale"] in logged and s["optimizer"] == "adam":
+                    s["log_dir"] = log_dir(s["policy"], s["scale"])
+            runner.ensure(specs, rerun=phase == "verify")
     write_report(args, runner.runs, runner.code, time.perf_counter() - start)
     print((RESULTS / "bleu.md").read_text())
     return 0
