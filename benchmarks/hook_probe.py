@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import sys
 
 import torch
@@ -178,12 +179,12 @@ def main(argv=None) -> int:
              f"median over {args.repeats} job(s), each job's in brackets.", "",
              "| variant | ms a step | / plain |", "|---|---|---|"]
     for kind in KINDS:
-        ms = sorted(j[kind]["median_ms"] for j in jobs)[len(jobs) // 2]
+        ms = statistics.median(j[kind]["median_ms"] for j in jobs)
         if kind == "plain":
             lines.append(f"| {kind} | {ms:.2f} | 1 |")
             continue
         ratios = [j[kind]["ratio_to_plain"] for j in jobs]
-        med = sorted(ratios)[len(ratios) // 2]
+        med = statistics.median(ratios)
         lines.append(f"| {kind} | {ms:.2f} | {med:.3f} [{', '.join(f'{r:.3f}' for r in ratios)}] |")
     now = datetime.datetime.now(datetime.timezone.utc)
     lines += ["", f"- date: {now:%Y-%m-%d %H:%M} UTC",
