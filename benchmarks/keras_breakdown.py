@@ -12,6 +12,8 @@ is the adapter's own graph):
                      which a skipped step needs to leave weights and optimizer slots untouched;
                      the engine's host call; the finiteness read): measurements only, never a
                      way to run
+    plain, <peer>    plain with Keras's own ways to skip a step (``PEERS``): what a conditional
+                     update costs in Keras without hvd_scale
 The floor (the two reads and the host call alone) is benchmarks/floor.py --keras.
 """
 
@@ -55,6 +57,39 @@ REMOVALS = {
 }
 
 
+# Plain steps that skip a non-finite step as Keras itself can: the cost of a conditional update
+# without hvd_scale (its skip is such a cond: ``apply unconditional`` above removes it).
+PEERS = {
+    "plain, apply in a cond": "plain's apply inside `ops.cond` on the loss's finiteness",
+    "plain, LossScaleOptimizer": "plain's SGD wrapped in Keras's `LossScaleOptimizer` (its "
+                                 "finiteness check of the gradients and its cond)",
+}
+
+
+def plain_peer(label: str, build, x, y):
+    """A compiled plain step (keras_overhead's) whose update is skipped as ``PEERS[label]`` says."""
+    keras.utils.set_random_seed(0)
+    model = build()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    if label == "plain, LossScaleOptimizer":
+        opt = keras.optimizers.LossScaleOptimizer(opt)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = hvd.grouped_allreduce(tape.gradient(loss, model.trainable_variables), op=hvd.Average)
+        if label == "plain, apply in a cond":
+            ops.cond(ops.isfinite(loss), lambda: opt.apply(grads, model.trainable_variables),
+                     lambda: None)
+        else:
+            opt.apply(grads, model.trainable_variables)
+        return loss
+    step(x, y)  # traced here
+    return lambda: step(x, y).numpy()
+
+
 def traced(kind: str, build, x, y, removed: tuple = ()):
     """A compiled step of ``kind``, traced with the ``REMOVALS`` named in ``removed``."""
     keras.utils.set_random_seed(0)
@@ -95,7 +130,10 @@ def main(argv=None) -> int:
              "round by round (benchmarks/timing.py).", "",
              "Measurements only (never a way to run), each traced without one part: "
              + "; ".join(f"*{k}*: {v}" for k, v in REMOVALS.items()) + ".", "",
-             "| model | plain ms | " + " | ".join(VARIANTS) + " |", "|---|---|" + "---|" * len(VARIANTS)]
+             "Keras's own skips, without hvd_scale: "
+             + "; ".join(f"*{k}*: {v}" for k, v in PEERS.items()) + ".", "",
+             "| model | plain ms | " + " | ".join([*VARIANTS, *PEERS]) + " |",
+             "|---|---|" + "---|" * (len(VARIANTS) + len(PEERS))]
     for name in args.models.split(","):
         build, shape = MODELS[name]
         x = tf.random.stateless_normal((32, *shape), seed=(0, 0))
@@ -103,9 +141,11 @@ def main(argv=None) -> int:
         variants = {"plain": traced("plain", build, x, y)}
         for label, (kind, removed) in VARIANTS.items():
             variants[label] = traced(kind, build, x, y, removed)
+        for label in PEERS:
+            variants[label] = plain_peer(label, build, x, y)
         r = timing.summarize(timing.interleave(variants, args.rounds, 6, warmup=20), "plain")
         cells = [f"{r[k]['ratio_to_plain']:.3f} (+{r['plain']['median_ms'] * (r[k]['ratio_to_plain'] - 1):.2f} ms)"
-                 for k in VARIANTS]
+                 for k in [*VARIANTS, *PEERS]]
         lines.append(f"| {name} | {r['plain']['median_ms']:.2f} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
