@@ -67,25 +67,13 @@ PEERS = {
 
 
 def plain_peer(label: str, build, x, y):
-    """A compiled plain step (keras_overhead's) whose update is skipped as ``PEERS[label]`` says."""
+    """keras_overhead's plain step, its update skipped as ``PEERS[label]`` says."""
     keras.utils.set_random_seed(0)
-    model = build()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    opt = keras.optimizers.SGD(0.01, momentum=0.9)
     if label == "plain, LossScaleOptimizer":
-        opt = keras.optimizers.LossScaleOptimizer(opt)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = hvd.grouped_allreduce(tape.gradient(loss, model.trainable_variables), op=hvd.Average)
-        if label == "plain, apply in a cond":
-            ops.cond(ops.isfinite(loss), lambda: opt.apply(grads, model.trainable_variables),
-                     lambda: None)
-        else:
-            opt.apply(grads, model.trainable_variables)
-        return loss
+        step = make_step("plain", build(), wrap=keras.optimizers.LossScaleOptimizer)
+    else:  # "plain, apply in a cond"
+        step = make_step("plain", build(), update=lambda opt, grads, variables, loss: ops.cond(
+            ops.isfinite(loss), lambda: opt.apply(grads, variables), lambda: None))
     step(x, y)  # traced here
     return lambda: step(x, y).numpy()
 

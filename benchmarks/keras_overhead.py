@@ -70,10 +70,13 @@ def cnn2d():
 MODELS = {"cnn": (cnn, (40, 1)), "mlp": (mlp, (40, 1)), "cnn2d": (cnn2d, (16, 16, 3))}
 
 
-def make_step(kind, model):
+def make_step(kind, model, wrap=lambda opt: opt,
+              update=lambda opt, grads, variables, loss: opt.apply(grads, variables)):
+    """A compiled step of ``kind``; plain's optimizer is ``wrap(SGD)`` and its update ``update``
+    (keras_breakdown's peers change both)."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if kind == "plain":
-        opt = keras.optimizers.SGD(0.01, momentum=0.9)
+        opt = wrap(keras.optimizers.SGD(0.01, momentum=0.9))
 
         @tf.function
         def step(x, y):
@@ -81,7 +84,7 @@ def make_step(kind, model):
                 loss = loss_fn(y, model(x, training=True))
             grads = tape.gradient(loss, model.trainable_variables)
             grads = hvd.grouped_allreduce(grads, op=hvd.Average)
-            opt.apply(grads, model.trainable_variables)
+            update(opt, grads, model.trainable_variables, loss)
             return loss
         return step
     opt = DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), policy=kind)
