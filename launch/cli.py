@@ -214,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="Run COMMAND on every worker with a policy.",
                          description="Run COMMAND on every worker, under horovodrun (the default), "
                                      "on a Ray cluster or on Spark, with the policy and log "
-                                     "directory handed to the adapters.",
+                                     "directory handed to the adapters. A bare python or python3 "
+                                     "as COMMAND's first word runs as the interpreter that runs "
+                                     "hvd-scale (its venv, activated or not).",
                          usage="hvd-scale run [-np N] [--engine {horovodrun,ray,spark}] "
                                "[-H HOSTS] [--gloo|--mpi] [--policy SPEC] [--log-dir DIR] "
                                "[--log-every N] [--min-np N --max-np N] [--ray-address ADDR] "

@@ -77,6 +77,18 @@ KILL_WAIT_S = 2  # for SIGKILLed processes to be gone
 # Set in the environment of each rank that command_worker starts, so that a stopped Ray or Spark
 # job can pass the signal to its ranks among the cluster's own processes.
 COMMAND_RANK_ENV = "HVD_SCALE_COMMAND_RANK"
+# A command's first word that stands for "this Python": run as the interpreter that runs the
+# engine (the driver's for horovodrun, each worker's for Ray and Spark), not the first one on
+# PATH, which outside an activated venv lacked torch and Horovod on every rank (#48).
+BARE_PYTHONS = frozenset({"python", "python3"})
+
+
+def resolve_python(command: Sequence[Any]) -> list[str]:
+    """The command with a bare ``python``/``python3`` first word replaced by sys.executable."""
+    command = [str(c) for c in command]
+    if command and command[0] in BARE_PYTHONS:
+        command[0] = sys.executable
+    return command
 
 
 class JobStopped(KeyboardInterrupt):
@@ -252,7 +264,7 @@ def command_worker(command: Sequence[str], env: Mapping[str, str], cwd: str | No
     child_env = dict(os.environ)
     child_env.update(env)
     child_env[COMMAND_RANK_ENV] = "1"
-    proc = subprocess.run(list(command), env=child_env, stdin=subprocess.DEVNULL,
+    proc = subprocess.run(resolve_python(command), env=child_env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, errors="replace",
                           cwd=cwd if cwd and os.path.isdir(cwd) else None,
                           preexec_fn=_rank_setup())
@@ -552,9 +564,10 @@ class HorovodrunEngine:
             raise EngineUnavailable(f"horovodrun not found: {SETUP_HINT}")
 
     def command_line(self, command: Sequence[str], job: Job) -> list[str]:
-        return horovodrun_command(command, job.np, hosts=self.hosts, controller=self.controller,
-                                  extra_args=self.extra_args, min_np=job.min_np,
-                                  max_np=job.max_np, executable=self.executable)
+        return horovodrun_command(resolve_python(command), job.np, hosts=self.hosts,
+                                  controller=self.controller, extra_args=self.extra_args,
+                                  min_np=job.min_np, max_np=job.max_np,
+                                  executable=self.executable)
 
     def run_command(self, command: Sequence[str], job: Job) -> int:
         env = dict(os.environ)

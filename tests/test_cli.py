@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from hvd_scale.launch import cli
 from hvd_scale.metrics import METRICS
-from hvdrun import REPO_ROOT, requires_horovod, worker_env
+from hvdrun import REPO_ROOT, requires_horovod, run_process, worker_env
 
 HVD_SCALE = Path(sys.executable).parent / "hvd-scale"
 
@@ -141,7 +142,7 @@ def test_run_hands_policy_log_dir_and_cpu_defaults_to_horovodrun(monkeypatch, tm
                      "--timeline-filename", "t.json", "--", "python", "train.py", "--x"])
     assert code == 3  # the job's exit code
     assert seen["cmd"] == ["/x/horovodrun", "-np", "3", "-H", "localhost:3", "--mpi",
-                           "--timeline-filename", "t.json", "python", "train.py", "--x"]
+                           "--timeline-filename", "t.json", sys.executable, "train.py", "--x"]
     env = seen["env"]
     assert env["HVD_SCALE_POLICY"] == "sqrt" and env["HVD_SCALE_LOG_DIR"] == str(tmp_path / "l")
     assert env["OMP_NUM_THREADS"] == "1" and env["HOROVOD_CYCLE_TIME"] == "0.5"
@@ -162,3 +163,51 @@ def test_help_reads_as_whole_sentences(capsys):
                   and not a.option_strings == ["-h", "--help"]]
     for text in helps:
         assert text[0].isupper() and text.endswith("."), text
+
+
+# -- a bare python: the interpreter running hvd-scale (#48 item 3) ------------------------------
+
+@pytest.mark.parametrize("command, expected", [
+    (["python", "train.py"], [sys.executable, "train.py"]),
+    (["python3", "-m", "pkg"], [sys.executable, "-m", "pkg"]),
+    (["python3.11", "train.py"], ["python3.11", "train.py"]),  # a version asked for: as given
+    (["/usr/bin/python3", "t.py"], ["/usr/bin/python3", "t.py"]),
+    (["./python", "t.py"], ["./python", "t.py"]),
+    (["bash", "-c", "python t.py"], ["bash", "-c", "python t.py"]),  # the first word only
+])
+def test_a_bare_python_is_this_interpreter(command, expected):
+    assert cli.engines.resolve_python(command) == expected
+
+
+def test_help_says_a_bare_python_is_this_interpreter(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "A bare python or python3 as COMMAND's first word runs as the interpreter" in out
+
+
+def test_ray_and_spark_ranks_resolve_python_in_the_worker(tmp_path):
+    """command_worker (the Ray and Spark engines' rank) runs a bare python as its own
+    interpreter, whatever PATH says."""
+    result = cli.engines.command_worker(
+        ["python", "-c", "import sys; print(sys.executable)"], {"PATH": "/nonexistent"}, None)
+    assert result["returncode"] == 0, result["stderr"]
+    assert result["stdout"].strip() == sys.executable
+
+
+@requires_horovod
+@pytest.mark.timeout(150)
+def test_run_python_without_the_venv_on_path():
+    """The user's case: the venv not activated (its bin/ not on PATH); `-- python` runs the
+    interpreter that runs hvd-scale, on every rank, and nothing extra is printed."""
+    env = worker_env()
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != bin_dir)
+    env.pop("VIRTUAL_ENV", None)
+    proc = run_process(
+        [str(HVD_SCALE), "run", "-np", "1", "--gloo", "--", "python", "-c",
+         "import sys, torch; print('python', sys.executable)"],
+        timeout=130, env=env, what="hvd-scale run without the venv on PATH")
+    assert f"python {sys.executable}" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "hvd-scale" not in proc.stdout + proc.stderr  # no note of its own
+

@@ -217,7 +217,7 @@ def test_cli_defaults_to_horovodrun_and_passes_elastic_bounds(monkeypatch):
     assert cli.main(["run", "--min-np", "1", "--max-np", "2", "--host-discovery-script", "d.sh",
                      "--", "python", "t.py"]) == 0
     assert seen["cmd"] == ["/x/horovodrun", "--min-np", "1", "--max-np", "2",
-                           "--host-discovery-script", "d.sh", "python", "t.py"]
+                           "--host-discovery-script", "d.sh", sys.executable, "t.py"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -443,4 +443,5 @@ def test_a_hostfile_replaces_the_default_hosts():
     engine = engines.HorovodrunEngine(controller="mpi", extra_args=["--hostfile", "/etc/mpi/hostfile"],
                                       executable="horovodrun")
     cmd = engine.command_line(["python", "x.py"], engines.make_job(np=4))
-    assert "-H" not in cmd and cmd[-4:] == ["--hostfile", "/etc/mpi/hostfile", "python", "x.py"]
+    assert "-H" not in cmd and cmd[-4:] == ["--hostfile", "/etc/mpi/hostfile", sys.executable,
+                                            "x.py"]
