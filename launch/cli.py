@@ -72,6 +72,11 @@ def _check_engine_options(args: argparse.Namespace) -> str | None:
     if args.engine == "ray" and args.min_np is not None and args.np is not None:
         return ("-np does not go with --min-np/--max-np on --engine ray: the elastic job runs as "
                 "many workers as the cluster has slots for, from --min-np up to --max-np")
+    if args.np is not None and args.min_np is not None and not (
+            args.min_np <= args.np <= (args.max_np or args.np)):
+        bounds = f"--min-np {args.min_np}" + (f" .. --max-np {args.max_np}" if args.max_np else "")
+        return (f"-np {args.np} is outside {bounds}: an elastic job starts with -np workers "
+                "(default: --min-np)")
     return None
 
 
@@ -222,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "[--log-every N] [--min-np N --max-np N] [--ray-address ADDR] "
                                "[--spark-master URL] [horovodrun options] -- COMMAND...")
     run.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
-                     help="Worker processes (default 1).")
+                     help="Worker processes (default 1; an elastic horovodrun job, with "
+                          "--min-np, starts with --min-np workers unless -np says otherwise).")
     run.add_argument("--engine", choices=sorted(engines.ENGINES), default="horovodrun",
                      help="What starts the workers: horovodrun (the default), a Ray cluster "
                           "(horovod.ray) or Spark (horovod.spark).")

@@ -42,7 +42,7 @@ import time
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from hvd_scale.launch.jobs import (CPU_ENV_DEFAULTS, GPU_ENV_DEFAULTS,  # noqa: F401
-                                   find_horovodrun, horovodrun_command)
+                                   find_horovodrun, horovodrun_command, start_np)
 from hvd_scale.adapters.log import check_every
 from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
 from hvd_scale.policies import POLICY_ENV, parse_spec
@@ -585,8 +585,8 @@ class HorovodrunEngine:
         os.environ.update(job.env)  # horovod.run hands os.environ to the workers
         try:
             return horovod.runner.run(
-                fn, args=tuple(args), num_proc=job.np, min_num_proc=job.min_np,
-                max_num_proc=job.max_np,
+                fn, args=tuple(args), num_proc=start_np(job.np, job.min_np),
+                min_num_proc=job.min_np, max_num_proc=job.max_np,
                 hosts=self.hosts or f"localhost:{job.np or job.max_np or job.min_np}",
                 use_gloo=self.controller == "gloo" or None,
                 use_mpi=self.controller == "mpi" or None)

@@ -67,6 +67,12 @@ def find_horovodrun() -> str | None:
     return faster if os.path.exists(faster) else here
 
 
+def start_np(np: int | None, min_np: int | None) -> int | None:
+    """The workers a horovodrun job starts with: np, else min_np (horovodrun and horovod.run need
+    a number in elastic mode too; a job starts with its fewest)."""
+    return min_np if np is None else np
+
+
 def horovodrun_command(command: Sequence[Any], np: int | None = None, *,
                        hosts: str | bool | None = None, controller: str | None = None,
                        extra_args: Iterable[str] = (), min_np: int | None = None,
@@ -75,19 +81,22 @@ def horovodrun_command(command: Sequence[Any], np: int | None = None, *,
     """The horovodrun command line that runs ``command`` on np workers:
     ``horovodrun -np N [--min-np M] [--max-np X] -H HOSTS [--CONTROLLER] EXTRA_ARGS... COMMAND...``.
 
-    hosts: the -H value; default ``localhost:N`` (N: np, else max_np, else min_np), none when
-    extra_args name the hosts (HOST_OPTIONS) or hosts is False. controller: "gloo", "mpi" or None
-    (horovodrun's choice). executable: default ``find_horovodrun()`` (plain "horovodrun" when
-    there is none). Every element comes back as a str."""
+    np: default min_np (``start_np``). hosts: the -H value; default ``localhost:N`` (N: np, else
+    max_np, else min_np), none when extra_args name the hosts (HOST_OPTIONS) or hosts is False.
+    controller: "gloo", "mpi" or None (horovodrun's choice). executable: default
+    ``find_horovodrun()`` (plain "horovodrun" when there is none). Every element comes back as a
+    str."""
     if controller not in (None, "gloo", "mpi"):
         raise ValueError(f"controller must be 'gloo', 'mpi' or None, got {controller!r}")
     extra_args = [str(a) for a in extra_args]
     cmd = [str(executable or find_horovodrun() or "horovodrun")]
-    for option, value in (("-np", np), ("--min-np", min_np), ("--max-np", max_np)):
+    slots = np or max_np or min_np
+    for option, value in (("-np", start_np(np, min_np)), ("--min-np", min_np),
+                          ("--max-np", max_np)):
         if value is not None:
             cmd += [option, str(value)]
     if hosts is not False and not HOST_OPTIONS & set(extra_args):
-        cmd += ["-H", hosts or f"localhost:{np or max_np or min_np}"]
+        cmd += ["-H", hosts or f"localhost:{slots}"]
     if controller:
         cmd.append(f"--{controller}")
     return cmd + extra_args + [str(a) for a in command]

@@ -211,3 +211,69 @@ def test_run_python_without_the_venv_on_path():
     assert f"python {sys.executable}" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "hvd-scale" not in proc.stdout + proc.stderr  # no note of its own
 
+
+# -- elastic horovodrun jobs: -np (#48 item 1) ---------------------------------------------------
+
+def _horovodrun_line(monkeypatch, argv):
+    """The horovodrun command line `hvd-scale` would start for argv (nothing is started)."""
+    seen = []
+
+    def fake_call(cmd, env):
+        seen.append(cmd)
+        return 0
+
+    monkeypatch.setattr(cli, "_horovodrun", lambda: "/x/horovodrun")
+    monkeypatch.setattr(cli.engines, "run_stoppable", fake_call)
+    assert cli.main(argv) == 0
+    return seen[-1]
+
+
+def test_elastic_run_starts_with_min_np_workers(monkeypatch):
+    """#48 item 1: horovodrun requires -np in elastic mode too (without it, its 43-line usage and
+    exit 2); docs/elastic.md's command gets -np = --min-np."""
+    cmd = _horovodrun_line(monkeypatch, [
+        "run", "--min-np", "2", "--max-np", "4", "--host-discovery-script", "./hosts.sh",
+        "--network-interfaces", "lo", "--", "python", "train.py"])
+    assert cmd == ["/x/horovodrun", "-np", "2", "--min-np", "2", "--max-np", "4",
+                   "--host-discovery-script", "./hosts.sh", "--network-interfaces", "lo",
+                   sys.executable, "train.py"]
+    # A -np of its own stays; without a discovery script -H offers the most workers' slots.
+    cmd = _horovodrun_line(monkeypatch, ["run", "-np", "3", "--min-np", "2", "--max-np", "4",
+                                         "--", "./train"])
+    assert cmd == ["/x/horovodrun", "-np", "3", "--min-np", "2", "--max-np", "4",
+                   "-H", "localhost:3", "./train"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", "5", "--min-np", "2", "--max-np", "4"], "-np 5 is outside --min-np 2 .. --max-np 4"),
+    (["-np", "1", "--min-np", "2"], "-np 1 is outside --min-np 2:"),
+])
+def test_elastic_np_outside_the_bounds_is_one_line(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(cli, "_horovodrun", lambda: "/x/horovodrun")
+    assert cli.main(["run", *argv, "--", "python", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "(default: --min-np)" in err
+
+
+def test_help_says_elastic_np_defaults_to_min_np(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "starts with --min-np workers" in out
+
+
+@requires_horovod
+@pytest.mark.timeout(150)
+def test_elastic_command_of_the_docs_runs(tmp_path):
+    """docs/elastic.md's command shape, for real: --min-np/--max-np and a discovery script, no
+    -np; one slot discovered, so one worker, which joins the elastic rendezvous."""
+    hosts = tmp_path / "hosts.sh"
+    hosts.write_text("#!/bin/sh\necho localhost:1\n")
+    hosts.chmod(0o755)
+    proc = run_process(
+        [str(HVD_SCALE), "run", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+         "./hosts.sh", "--network-interfaces", "lo", "--", "python", "-c",
+         "import horovod.torch as hvd; hvd.init(); print('size', hvd.size(), 'rank', hvd.rank())"],
+        timeout=130, cwd=tmp_path, env=worker_env(), what="elastic hvd-scale run")
+    assert "size 1 rank 0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "usage:" not in proc.stdout + proc.stderr

@@ -16,6 +16,12 @@
    and each other line must appear in their output, in order (``...`` stands for any text). Each runs in a fresh process in an
    empty directory, with the venv's scripts first on PATH and no policy or log directory in the
    environment (``hvd-scale run --policy`` would set them).
+3. Every ``hvd-scale`` command line that is not run (in a block marked not run, or an indented
+   code block) is parsed by hvd-scale's own parser and checked as ``hvd-scale run`` checks its
+   options before starting anything (for horovodrun: the command line it would start, -np in
+   it); nothing is started. A block whose commands cannot be checked says why instead::
+
+       <!-- not checked: REASON -->
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -43,8 +50,8 @@ BUILD_TIMEOUT_S = 240
 DROPPED_ENV = ("HVD_SCALE_POLICY", "HVD_SCALE_LOG_DIR", "HOROVOD_RANK", "HOROVOD_SIZE")
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
-MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not[ -]run|run)\b\s*:?\s*(?P<reason>.*?)\s*-->\s*$",
-                    re.IGNORECASE)
+MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not[ -]run|not[ -]checked|run)\b\s*:?\s*"
+                    r"(?P<reason>.*?)\s*-->\s*$", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +60,7 @@ class Block:
     line: int              # 1-based line of the opening fence
     language: str          # the info string's first word, lower case
     code: str
-    marker: str | None     # 'run', 'not run' or None
+    marker: str | None     # 'run', 'not run', 'not checked' (not run either) or None
     reason: str            # a not-run marker's reason
 
     @property
@@ -85,7 +92,7 @@ def code_blocks(path: Path) -> list[Block]:
         language = info.split()[0].lower().lstrip(".{") if info else ""
         blocks.append(Block(path, i + 1, language, "\n".join(body) + "\n",
                             None if marker is None else
-                            ("run" if marker.group("kind").lower() == "run" else "not run"),
+                            re.sub(r"[ -]", " ", marker.group("kind").lower()),
                             marker.group("reason") if marker else ""))
         i = j + 1
     return blocks
@@ -97,7 +104,7 @@ def documents() -> list[Path]:
 
 
 ALL_BLOCKS = [b for doc in documents() for b in code_blocks(doc) if b.language in RUNNABLE]
-TO_RUN = [b for b in ALL_BLOCKS if b.marker != "not run"]
+TO_RUN = [b for b in ALL_BLOCKS if b.marker not in ("not run", "not checked")]
 
 
 def block_env() -> dict[str, str]:
@@ -150,11 +157,12 @@ def test_documents_have_runnable_blocks():
     assert any(b.path.parent == DOCS for b in TO_RUN)
 
 
-@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.marker == "not run"],
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.marker in ("not run", "not checked")],
                          ids=lambda b: b.where)
 def test_a_block_not_run_says_why(block):
     assert len(block.reason) >= 3, (
-        f"{block.where}: a block marked not run must say why: <!-- not run: REASON -->")
+        f"{block.where}: a block marked {block.marker} must say why: "
+        f"<!-- {block.marker}: REASON -->")
 
 
 @pytest.mark.parametrize("block", TO_RUN, ids=lambda b: f"{b.where}-{b.language}")
@@ -266,3 +274,103 @@ def test_api_reference_shows_the_schedules_fields(site):
                 (cls.__name__, field.name)
     text = re.sub(r"<[^>]+>", "", engine)
     assert "StepDecay(lr: float, milestones: Sequence[int], gamma: float = 0.1)" in text
+
+
+# -- hvd-scale command lines that are not run ------------------------------------------------------
+
+COMMAND_START = re.compile(r"^(?:\S*/)?hvd-scale\s")
+SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "<", "2>&1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandLine:
+    where: str
+    text: str
+
+    def argv(self) -> list[str]:
+        """hvd-scale's arguments: the shell words after it, up to a comment or an operator."""
+        words = shlex.split(self.text.replace("\\\n", " "), comments=True)
+        for i, word in enumerate(words):
+            if word in SHELL_OPERATORS:
+                words = words[:i]
+                break
+        return words[1:]
+
+
+def _command_lines(text: str, first_line: int, path: Path, console: bool) -> list[CommandLine]:
+    lines, found = text.splitlines(), []
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if console:
+            line = line[2:] if line.startswith("$ ") else ""
+        start = i
+        while line.endswith("\\") and i + 1 < len(lines):  # a continued command
+            i += 1
+            line += "\n" + lines[i].strip()
+        if COMMAND_START.match(line):
+            found.append(CommandLine(f"{path.relative_to(REPO_ROOT)}:{first_line + start}", line))
+        i += 1
+    return found
+
+
+def unrun_command_lines() -> list[CommandLine]:
+    """hvd-scale lines of shell blocks marked not run, and of indented code blocks (not run)."""
+    found = []
+    for doc in documents():
+        for b in code_blocks(doc):
+            if RUNNABLE.get(b.language) in ("bash", "console") and b.marker == "not run":
+                found += _command_lines(b.code, b.line + 1, doc, b.language == "console")
+        # An indented code block: 4 spaces in, after a blank line, until a line that is not.
+        in_fence, in_block, after_blank = False, False, True
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            if FENCE.match(line):
+                in_fence = not in_fence
+            if in_fence or FENCE.match(line) or not line.strip():
+                after_blank = not in_fence
+                continue
+            in_block = line.startswith("    ") and (after_blank or in_block)
+            after_blank = False
+            if in_block:
+                found += _command_lines(line, n, doc, console=False)
+    return found
+
+
+UNRUN_COMMANDS = unrun_command_lines()
+
+
+def test_unrun_command_lines_are_found():
+    """The collector finds them (one that found none would pass everything)."""
+    assert any(c.where.startswith("README.md") for c in UNRUN_COMMANDS)
+    assert any(c.where.startswith("docs/elastic.md") for c in UNRUN_COMMANDS)
+
+
+@pytest.mark.parametrize("line", UNRUN_COMMANDS, ids=lambda c: c.where)
+def test_command_line_parses(line, monkeypatch, capsys):
+    """#48 item 1: docs/elastic.md's `hvd-scale run` had no -np and horovodrun refused it."""
+    from hvd_scale.launch import cli, engines
+
+    started = []
+
+    def check_job(command, np=None, engine="horovodrun", policy=None, log_dir=None, *, min_np=None,
+                  max_np=None, log_every=None, **options):
+        job = engines.make_job(np, policy, None, min_np, max_np, log_every)  # no log dir made
+        if engine == "horovodrun":
+            cmd = engines.HorovodrunEngine(**options).command_line(command, job)
+            assert "-np" in cmd, cmd
+        started.append(command)
+        return 0
+
+    monkeypatch.setattr(cli, "_horovodrun", lambda: "/x/horovodrun")
+    monkeypatch.setattr(cli.engines, "run_command", check_job)
+    argv = line.argv()
+    hint = (f"{line.where}: `{line.text}` is refused by hvd-scale's parser. If it cannot be "
+            "checked (a placeholder), say so on the line before its fence: "
+            "<!-- not checked: REASON -->\n")
+    try:
+        if argv[:1] == ["run"]:
+            assert cli.main(argv) == 0 and started, hint + capsys.readouterr().err
+        else:
+            cli.build_parser().parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(hint + f"exit {e.code}: " + capsys.readouterr().err)

@@ -216,7 +216,8 @@ def test_cli_defaults_to_horovodrun_and_passes_elastic_bounds(monkeypatch):
     monkeypatch.setattr(engines, "run_stoppable", lambda cmd, env: seen.setdefault("cmd", cmd) and 0)
     assert cli.main(["run", "--min-np", "1", "--max-np", "2", "--host-discovery-script", "d.sh",
                      "--", "python", "t.py"]) == 0
-    assert seen["cmd"] == ["/x/horovodrun", "--min-np", "1", "--max-np", "2",
+    # -np: where the elastic job starts (--min-np; horovodrun requires it, #48 item 1).
+    assert seen["cmd"] == ["/x/horovodrun", "-np", "1", "--min-np", "1", "--max-np", "2",
                            "--host-discovery-script", "d.sh", sys.executable, "t.py"]
 
 
