@@ -175,7 +175,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from hvd_scale.launch.plot import plot_runs
 
     try:
-        plot_runs(args.run_dirs, args.output, metric=args.metric)
+        plot_runs(args.run_dirs, args.output, metric=args.metric, labels=args.labels)
     except (FileNotFoundError, ValueError) as e:
         print(f"hvd-scale plot: {e}", file=sys.stderr)
         return 2
@@ -267,13 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     build_horovod.add_arguments(build)
 
-    plot = sub.add_parser("plot", help="Plot runs' gain, lr, tau and loss.")
+    plot = sub.add_parser("plot", help="Plot runs' gain, lr, tau and loss.",
+                          description="Plot runs' lr factor, effective lr (log axis) and tau "
+                                      "against the step, and the loss against tau, one line "
+                                      "per run.")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                       help="Directories written with --log-dir.")
     plot.add_argument("-o", "--output", required=True, metavar="FILE.png",
                       help="The picture to write.")
     plot.add_argument("--metric", default=None,
                       help="The column to plot against tau (default: the loss, where logged).")
+    plot.add_argument("--label", action="append", dest="labels", default=None, metavar="TEXT",
+                      help="A run's name in the legend, once per RUN_DIR in their order "
+                           "(default: each directory's name); the policy and S as it went "
+                           "(S=2->1->2 for an elastic run) follow it.")
 
     advise = sub.add_parser(
         "advise", help="Rank workers, passes and micro-batch for a logged run by goodput.",

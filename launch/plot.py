@@ -1,9 +1,11 @@
 """``hvd-scale plot``: several runs on one picture (matplotlib, Agg: no display needed).
 
 Panels: the lr factor each step applied (AdaScale's gain r, adascale_adam's sqrt(r), a fixed
-rule's own factor: one quantity for every policy), the effective lr and tau against the
-optimizer step; a metric (the loss by default) against tau. Each run is labelled by its policy
-and scale from its run.json.
+rule's own factor: one quantity for every policy), the effective lr (on a log axis, so that each
+decay shows as a step of its own size) and tau against the optimizer step; a metric (the loss by
+default) against tau. Each run is labelled by its directory's name (or a label given for it),
+then its policy from run.json and its S as the log's ``scale`` column went: ``S=2->1->2`` for an
+elastic run that lost a worker and got it back (run.json holds only the S it started at).
 """
 
 from __future__ import annotations
@@ -15,7 +17,37 @@ import pathlib
 from typing import Sequence
 
 
-def read_run(run_dir: str | pathlib.Path) -> tuple[str, dict[str, list[float]]]:
+# An S history longer than this is shortened in the label to as many items: the first values,
+# "...", the last.
+MAX_SCALES_IN_LABEL = 6
+
+
+def scale_history(scales: Sequence[float]) -> list[float]:
+    """The values S took, in order, each repeat in a row dropped (nan rows skipped)."""
+    out: list[float] = []
+    for s in scales:
+        if not math.isnan(s) and (not out or s != out[-1]):
+            out.append(s)
+    return out
+
+
+def run_label(name: str, info: dict, columns: dict[str, list[float]]) -> str:
+    """``NAME (POLICY, S=...)``: S from the log's scale column (its changes joined by ->),
+    else run.json's."""
+    history = scale_history(columns.get("scale", []))
+    if not history and isinstance(info.get("scale"), (int, float)):
+        history = [float(info["scale"])]
+    if len(history) > MAX_SCALES_IN_LABEL:
+        history = history[:MAX_SCALES_IN_LABEL - 2] + [math.nan] + history[-1:]
+    parts = [str(info["policy"])] if info.get("policy") else []
+    if history:
+        parts.append("S=" + "->".join("..." if math.isnan(s) else f"{s:g}" for s in history))
+    return f"{name} ({', '.join(parts)})" if parts else name
+
+
+def read_run(run_dir: str | pathlib.Path,
+             name: str | None = None) -> tuple[str, dict[str, list[float]]]:
+    """The run's label (``run_label``; name: default the directory's) and its metrics columns."""
     run_dir = pathlib.Path(run_dir)
     path = run_dir / "metrics.csv"
     if not path.exists():
@@ -27,9 +59,7 @@ def read_run(run_dir: str | pathlib.Path) -> tuple[str, dict[str, list[float]]]:
     columns = {k: [float(r[k]) if r[k] not in ("", None) else math.nan for r in rows] for k in rows[0]}
     info_path = run_dir / "run.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    label = f"{info.get('policy', run_dir.name)}, S={info.get('scale', '?'):g}" \
-        if isinstance(info.get("scale"), (int, float)) else str(info.get("policy", run_dir.name))
-    return label, columns
+    return run_label(name or run_dir.resolve().name, info, columns), columns
 
 
 def has_values(columns: dict[str, list[float]], name: str) -> bool:
@@ -48,15 +78,30 @@ def check_metric(metric: str, run_dirs: Sequence[str], runs: list) -> None:
         raise ValueError(f"--metric {metric!r} has no value in any run's metrics.csv")
 
 
-def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None) -> None:
-    """``metric`` None: the loss, where a run logged it (torch: ``opt.log_loss``; Keras:
-    ``ScalingMetrics``), else the panel says so; a metric asked for by name must be there."""
+def run_names(run_dirs: Sequence[str], labels: Sequence[str] | None = None) -> list[str]:
+    """One name per run: the labels given (exactly one per run), else each directory's name, or
+    its path as given where two runs share a name."""
+    if labels is not None:
+        if len(labels) != len(run_dirs):
+            raise ValueError(f"--label given {len(labels)} time(s) for {len(run_dirs)} run(s): "
+                             "give one --label per RUN_DIR, in the same order")
+        return list(labels)
+    names = [pathlib.Path(d).resolve().name for d in run_dirs]
+    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]
+
+
+def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None,
+              labels: Sequence[str] | None = None):
+    """Draw the runs into ``output``; the (closed) matplotlib Figure. ``metric`` None: the loss,
+    where a run logged it (torch: ``opt.log_loss``; Keras: ``ScalingMetrics``), else the panel
+    says so; a metric asked for by name must be there. labels: one per run (``run_names``)."""
+    names = run_names(run_dirs, labels)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [read_run(d) for d in run_dirs]
+    runs = [read_run(d, name) for d, name in zip(run_dirs, names)]
     asked, metric = metric is not None, metric or "loss"
     if asked:
         check_metric(metric, run_dirs, runs)
@@ -72,6 +117,8 @@ def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None) -
         ax.set_title(title)
         ax.set_xlabel("tau" if x == "progress" else "optimizer step")
         ax.grid(alpha=0.3)
+    if any(has_values(cols, "lr") for _, cols in runs):
+        axes[0, 1].set_yscale("log")  # decays by x0.1 are as tall as the first one
     if not any(has_values(cols, metric) for _, cols in runs):
         axes[1, 1].text(0.5, 0.5, "no loss logged\n(torch: opt.log_loss(loss);\nKeras: the "
                         "ScalingMetrics callback)", ha="center", va="center",
@@ -79,3 +126,4 @@ def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None) -
     axes[0, 0].legend(fontsize=8)
     fig.savefig(output, dpi=80)
     plt.close(fig)
+    return fig

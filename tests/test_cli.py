@@ -277,3 +277,53 @@ def test_elastic_command_of_the_docs_runs(tmp_path):
         timeout=130, cwd=tmp_path, env=worker_env(), what="elastic hvd-scale run")
     assert "size 1 rank 0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "usage:" not in proc.stdout + proc.stderr
+
+
+# -- hvd-scale plot: a run's name and its S as it went (#48 item 7) ------------------------------
+
+def _log(run_dir, policy, scales):
+    from hvd_scale.adapters.log import MetricsLogger
+
+    logger = MetricsLogger(run_dir, run_info={"policy": policy, "scale": scales[0]},
+                           progress_bar=False, tensorboard=False)
+    progress = 0.0
+    for step, scale in enumerate(scales, 1):
+        progress += scale
+        logger.log({"step": step, "progress": progress, "lr_factor": 1.5, "gain": 1.5,
+                    "lr": 0.1 if step < len(scales) else 0.001, "scale": scale})
+    logger.close()
+
+
+def test_plot_labels_each_run_by_its_directory_and_s_as_it_went(tmp_path, capsys):
+    from hvd_scale.launch.plot import plot_runs
+
+    a, b = tmp_path / "ada_fixed", tmp_path / "ada_elastic"
+    _log(a, "adascale", [2.0] * 5)
+    _log(b, "adascale", [2.0, 2.0, 1.0, 1.0, 2.0])
+    fig = plot_runs([str(a), str(b)], str(tmp_path / "p.png"))
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["ada_fixed (adascale, S=2)", "ada_elastic (adascale, S=2->1->2)"]
+    lr_axis = next(ax for ax in fig.axes if ax.get_title() == "effective lr")
+    assert lr_axis.get_yscale() == "log"
+
+    fig = plot_runs([str(a), str(b)], str(tmp_path / "p.png"), labels=["fixed", "resized"])
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["fixed (adascale, S=2)", "resized (adascale, S=2->1->2)"]
+
+    out = tmp_path / "q.png"
+    assert cli.main(["plot", str(a), str(b), "-o", str(out), "--label", "x", "--label", "y"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert cli.main(["plot", str(a), str(b), "-o", str(out), "--label", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--label given 1 time(s) for 2 run(s)" in err and err.count("\n") == 1
+
+
+def test_plot_shortens_a_long_s_history(tmp_path):
+    from hvd_scale.launch.plot import MAX_SCALES_IN_LABEL, read_run
+
+    run = tmp_path / "long"
+    _log(run, "linear", [4.0, 3.0, 2.0, 3.0, 4.0, 3.0, 2.0, 1.0])
+    label, _ = read_run(run)
+    assert label == "long (linear, S=4->3->2->3->...->1)"
+    assert label.count("->") == MAX_SCALES_IN_LABEL - 1
