@@ -65,8 +65,8 @@ class MetricsLogger:
     """One row per step in ``log_dir``, written by whichever process is rank 0 at that step.
 
     Both adapters hand it their ``metrics()`` once per step. The values are host floats the policy
-    already has, so logging adds no device-to-host transfer; a loss tensor given to ``set_loss``
-    is read only when its row is written.
+    already has, so logging adds no device-to-host transfer. A due row waits for the step's
+    loss (``set_loss``, after the step), and a loss tensor is read when its row is written.
 
     The files open at the first row this process writes, so a log survives restarts:
 
@@ -82,12 +82,18 @@ class MetricsLogger:
     def __init__(self, log_dir: str | os.PathLike, *, rank: int | Callable[[], int] = 0,
                  run_info: Mapping | None = None, budget: float | None = None,
                  progress_bar: bool = True, tensorboard: bool = True, every: int | None = None,
-                 loss_after_step: bool = False):
+                 loss_after_step: bool = True):
+        # loss_after_step: accepted from callers that still pass it; every row waits for its
+        # loss now, in both frameworks (``set_loss``).
+        del loss_after_step
         self.every = check_every(every)
-        self._unwritten: Callable[[], Mapping[str, Any]] | None = None
-        # Keras knows a step's loss only after the step (its batch logs): the row waits for it.
-        self.loss_after_step = loss_after_step
-        self._held: dict[str, Any] | None = None
+        # The latest step not due: (its metrics, called only at close; its loss).
+        self._unwritten: tuple[Callable[[], Mapping[str, Any]], Any] | None = None
+        # The latest due row, waiting for its loss: (its metrics, the time of its step).
+        self._held: tuple[dict[str, Any], float] | None = None
+        self._latest: int | None = None  # the latest step() of this process
+        self._latest_has_loss = False
+        self._loss_key: tuple[int, int] | None = None  # (steps, skipped) at the latest set_loss
         self.log_dir = pathlib.Path(log_dir)
         self._rank = rank if callable(rank) else (lambda: rank)
         self._run_info = dict(run_info or {})
@@ -95,7 +101,6 @@ class MetricsLogger:
         self._progress_bar, self._tensorboard = progress_bar, tensorboard
         self._start = time.perf_counter()
         self._csv_file = self._bar = self._tb = None
-        self._pending_loss = None
         self._last_step = -math.inf
         self.closed = False
 
@@ -104,49 +109,72 @@ class MetricsLogger:
         """Writing now (this process is rank 0 and the log is open)."""
         return self._csv_file is not None
 
-    def set_loss(self, loss: Any) -> None:
-        """Keep the step's loss (a float or a tensor) for the next row; read only when written.
-        With ``loss_after_step``, a row waiting for its loss gets it and is written."""
+    def set_loss(self, loss: Any, step: int | None = None, skipped: int = 0) -> None:
+        """The loss (a float or a tensor) of the step just taken, into that step's row, which
+        waits for it (``step``); the meaning users read is ``Readout.log_loss``'s docstring.
+
+        ``step`` and ``skipped``: the run's counts when the loss came (None: the latest step),
+        to tell a second call for one step (warned, ignored) from a call after a skipped step
+        (no row: ignored), and a call before this process's first step (warned, ignored)."""
+        key = None if step is None else (int(step), int(skipped))
+        if key is not None and key == self._loss_key:
+            self._warn(f"log_loss() was called twice for step {key[0]}; the first loss is kept "
+                       "(call it once per step, after step())")
+            return
+        self._loss_key = key
+        if self._latest is None:
+            if key is None or key[1] == 0:  # skipped steps (AMP's first ones) have no row
+                self._warn("log_loss() was called before this process's first step(): the loss "
+                           "is that of the step just taken, so call it after step(); this one "
+                           "is not logged")
+            return
+        if key is not None and key[0] != self._latest:
+            return  # an elastic reset took the run back: the step it was for is gone
+        if self._latest_has_loss:
+            if key is None:
+                self._warn(f"log_loss() was called twice for step {self._latest}; the first "
+                           "loss is kept (call it once per step, after step())")
+            return  # else a step was skipped since (non-finite gradients): it has no row
+        self._latest_has_loss = True
         if self._held is not None:
-            row, self._held = self._held, None
-            self.log({**row, "loss": loss})
-        else:
-            self._pending_loss = loss
+            (row, at), self._held = self._held, None
+            self.log({**row, "loss": loss}, at=at)
+        elif self._unwritten is not None:
+            self._unwritten = (self._unwritten[0], loss)
+
+    def _warn(self, message: str) -> None:
+        if self._rank() == 0:  # once, where the rows are written
+            warnings.warn(f"hvd_scale: {message}", stacklevel=4)
 
     def step(self, step: float, metrics: Callable[[], Mapping[str, Any]]) -> None:
-        """An optimizer step: its row (``metrics()``, called only then) if ``due``, else kept
-        to be written at ``close`` should it be the last. With ``loss_after_step`` a due row
-        waits for ``set_loss`` (or the next step, or ``close``)."""
+        """An optimizer step: its row (``metrics()``, called only then) if ``due``, waiting for
+        ``set_loss`` (or the next step, or ``close``); else kept to be written at ``close``
+        should it be the last."""
         self._flush_held()
+        self._latest, self._latest_has_loss = int(step), False
         if due(step, self.every):
             self._unwritten = None
-            if self.loss_after_step:
-                self._held = dict(metrics())
-            else:
-                self.log(metrics())
+            self._held = (dict(metrics()), time.perf_counter() - self._start)
         else:
-            self._unwritten = metrics
+            self._unwritten = (metrics, None)
 
     def _flush_held(self) -> None:
         if self._held is not None:
-            row, self._held = self._held, None
-            self.log(row)
+            (row, at), self._held = self._held, None
+            self.log(row, at=at)
 
-    def log(self, metrics: Mapping[str, Any]) -> None:
-        """Write one row; every key must be a name of ``METRICS`` (the logger adds ``time``)."""
+    def log(self, metrics: Mapping[str, Any], at: float | None = None) -> None:
+        """Write one row; every key must be a name of ``METRICS``. The logger adds ``time``:
+        ``at`` (seconds since the logger started, when its step ended), else now."""
         check_names(metrics)
         if self.closed:
             return
         if self._rank() != 0:
             self._close_files()  # another process is rank 0 now (elastic): it writes
-            self._pending_loss = None
             return
         row = {k: math.nan for k in METRICS}
         row.update({k: _float(v) for k, v in metrics.items()})
-        if "loss" not in metrics:
-            row["loss"] = _float(self._pending_loss)
-        row["time"] = time.perf_counter() - self._start
-        self._pending_loss = None
+        row["time"] = time.perf_counter() - self._start if at is None else at
         step = row["step"]
         if self._csv_file is None:
             self._open(step)
@@ -227,7 +255,7 @@ class MetricsLogger:
         last, self._unwritten = self._unwritten, None
         if last is not None and not self.closed:
             try:  # the run's last step, whatever the interval (its row still describes the state)
-                self.log(last())
+                self.log({**last[0](), "loss": last[1]})
             except Exception as e:  # noqa: BLE001 (also at exit: never fail the job over a row)
                 warnings.warn(f"hvd_scale: the last step's metrics row was not written: {e}")
         self._close_files()

@@ -39,9 +39,17 @@ class Readout:
         self.scaling.rescale(scale)
 
     def log_loss(self, loss) -> None:
-        """Record the step's loss (float or tensor) in the metrics row of the next step."""
+        """Record the loss (a float or a tensor) of the step just taken in that step's row of
+        the metrics log: call it once per step, after ``step()`` (Keras: ``ScalingMetrics``
+        does it, after each batch). The row waits for it: it is written, and the tensor read,
+        at this call (without one, at the next step). A call before the process's first step,
+        or a second for one step, is warned of and not logged; after a skipped step
+        (non-finite gradients, which has no row) it is dropped. Without a metrics log: nothing.
+
+        ``loss.backward(); opt.step(); opt.log_loss(loss.detach())``"""
         if self.scaling.logger is not None:
-            self.scaling.logger.set_loss(loss)
+            policy = self.policy  # the run's counts: which step the loss is for
+            self.scaling.logger.set_loss(loss, step=policy.steps, skipped=policy.skipped)
 
     def close(self) -> None:
         """Flush and close the metrics files."""

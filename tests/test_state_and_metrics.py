@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -297,9 +298,9 @@ def test_log_interval_keeps_a_long_run_small_and_its_last_step(tmp_path):
 
 
 def test_a_row_waits_for_a_loss_known_after_its_step(tmp_path):
-    """Keras knows a step's loss after the step (its batch logs): with loss_after_step the row
-    waits for set_loss, or is written without one at the next step or at close."""
-    logger = MetricsLogger(tmp_path, progress_bar=False, tensorboard=False, loss_after_step=True)
+    """#48 item 5: log_loss is called after the step (torch's loop, Keras's batch logs): the
+    step's row waits for set_loss, or is written without one at the next step or at close."""
+    logger = MetricsLogger(tmp_path, progress_bar=False, tensorboard=False)
     logger.step(1, lambda: {"step": 1, "progress": 1.0})
     assert not (tmp_path / "metrics.csv").exists()  # waiting for its loss
     logger.set_loss(0.5)
@@ -311,3 +312,30 @@ def test_a_row_waits_for_a_loss_known_after_its_step(tmp_path):
     rows = [(float(r["step"]), float(r["loss"])) for r in _rows(tmp_path / "metrics.csv")]
     assert rows[0] == (1, 0.5) and rows[2] == (3, 0.25)
     assert rows[1][0] == 2 and math.isnan(rows[1][1]) and rows[3][0] == 4 and math.isnan(rows[3][1])
+
+
+def test_log_loss_at_a_wrong_point_is_warned_of_and_a_thinned_row_keeps_its_loss(tmp_path):
+    """#48 item 5: before the process's first step, or twice for one step: a warning naming the
+    step, and the row keeps the first loss; after a skipped step (no row): dropped, silently;
+    a step whose row is not due keeps its loss for close (the run's last row)."""
+    logger = MetricsLogger(tmp_path, progress_bar=False, tensorboard=False, every=2)
+    with pytest.warns(UserWarning, match=r"before this process's first step\(\).*after step\(\)"):
+        logger.set_loss(9.0, step=0, skipped=0)
+    logger.step(1, lambda: {"step": 1})
+    logger.set_loss(1.0, step=1, skipped=0)
+    with pytest.warns(UserWarning, match=r"twice for step 1; the first loss is kept"):
+        logger.set_loss(1.5, step=1, skipped=0)
+    logger.set_loss(8.0, step=1, skipped=1)  # a skipped attempt after step 1: no row, no warning
+    logger.step(2, lambda: {"step": 2})
+    logger.set_loss(2.0, step=2, skipped=1)
+    logger.step(3, lambda: {"step": 3})  # not due (every 2): its loss waits for close
+    logger.set_loss(3.0, step=3, skipped=1)
+    logger.close()
+    rows = [(float(r["step"]), float(r["loss"])) for r in _rows(tmp_path / "metrics.csv")]
+    assert rows == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    # AMP's first steps are often skipped: a loss then, before any step, is no mistake.
+    quiet = MetricsLogger(tmp_path / "amp", progress_bar=False, tensorboard=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.set_loss(7.0, step=0, skipped=1)
+    quiet.close()
