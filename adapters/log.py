@@ -1,7 +1,8 @@
 """The per-step metrics log that rank 0 writes: CSV, TensorBoard scalars, run.json, a progress bar.
 
 Files in a log directory:
-    run.json        policy spec, scale, workers, budget: what ``hvd-scale plot`` labels runs with
+    run.json        policy spec, scale, workers, budget: what ``hvd-scale plot`` labels runs with;
+                    rank 0's host: its CPUs and the workers on it (``host_facts``)
     metrics.csv     one row per optimizer step (thinned on long runs: ``due``), the columns of
                     ``hvd_scale.metrics.METRICS`` in order
     tb/             TensorBoard scalars under ``hvd_scale/<name>``, written by tensorboardX (imported
@@ -51,6 +52,25 @@ def check_every(every: Any, name: str = "log every") -> int | None:
         raise ValueError(f"{name} must be an integer >= 1 (steps between metrics rows), "
                          f"got {every!r}")
     return every
+
+
+# Where a launcher says how many workers share this host (Horovod's Gloo launcher and its Ray
+# executor; OpenMPI's mpirun): the first one set.
+LOCAL_SIZE_VARIABLES = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def host_facts() -> dict[str, int | None]:
+    """What run.json records of the host that writes the log (rank 0's): its CPUs, and how
+    many workers shared it (None: no launcher said). ``hvd-scale advise`` reads them: workers
+    that share a host's cores pass at another pace at another W."""
+    shared = None
+    for name in LOCAL_SIZE_VARIABLES:
+        try:
+            shared = int(os.environ[name])
+            break
+        except (KeyError, ValueError):
+            continue
+    return {"host_cpus": os.cpu_count(), "workers_on_host": shared}
 
 
 def _float(value: Any) -> float:
@@ -210,6 +230,8 @@ class MetricsLogger:
         else:
             _write_rows(path, list(METRICS), [])
         info = {**self._run_info, "budget": self.budget}
+        for key, value in host_facts().items():  # what the caller gave first
+            info.setdefault(key, value)
         if first_step > 1:
             info["resumed_at_step"] = int(first_step)
         (self.log_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -5,6 +5,11 @@ the latest statistics (sigma2, mu2) give the gain r(S) of any batch S = W k m (i
 batches), the latest steps' timings fit ``hvd_scale.goodput``'s step-time model at the run's W,
 and each configuration of a grid is ranked by goodput r(S) / T (baseline steps per second).
 With ``--plot``, a picture of the efficiency r(S) / S against S at a few points in training.
+
+Only the run's own W is measured: the rows of other W are extrapolations from it, marked, with
+their basis said. Where the run's workers shared a host (run.json's ``workers_on_host``, from
+``hvd_scale.adapters.log.host_facts``), its per-pass time was measured with that sharing and
+says little of another W's: a warning says so.
 """
 
 from __future__ import annotations
@@ -53,6 +58,25 @@ def _max_gain(info: dict) -> float:
     except (TypeError, ValueError):  # a spec this version cannot build: no cap known
         return math.inf
     return float(getattr(policy, "max_gain", math.inf))
+
+
+def sharing(info: dict, workers: int) -> str | None:
+    """The warning for a run whose ``workers`` shared a host (run.json's ``workers_on_host``
+    and ``host_cpus``), or whose log does not say whether they did; None for one worker a
+    host (or one worker)."""
+    on_host, cpus = info.get("workers_on_host"), info.get("host_cpus")
+    if workers <= 1 or (isinstance(on_host, int) and on_host <= 1):
+        return None
+    basis = (f"the per-pass time at W = {workers} was measured with its workers sharing a host"
+             if isinstance(on_host, int) else
+             f"run.json does not say whether the W = {workers} workers shared a host (a log "
+             f"written before it recorded workers_on_host); if they did, the per-pass time was "
+             f"measured with that sharing")
+    where = (f" ({on_host} workers on {cpus} CPUs)" if isinstance(on_host, int) and cpus else "")
+    return (f"warning: {basis}{where}: at another W it is not measured. Fewer workers on a "
+            f"host each get more of its cores and memory (a pass at W = 1 can be several times "
+            f"faster), more get less: the W* rows, which carry W = {workers}'s pass, are a "
+            f"guess. Log a short run at the W you consider and run advise on it")
 
 
 def _duration(seconds: float) -> str:
@@ -142,6 +166,7 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
 
     steps = columns[STEP]
     slots = os.cpu_count()
+    shared = sharing(info, W)
     lines = [
         f"hvd-scale advise: {log_dir}",
         f"run: policy {info.get('policy', '?')}, W = {W}, k = {here['passes']}, "
@@ -157,8 +182,10 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         *([] if model.identified else [
             "assumed: the step's own work (zero_grad, evaluation, logging) is charged to the "
             "passes (one k measured and no pass timed alone): larger k is over-predicted"]),
-        *([f"extrapolated for W other than {W} (marked W*): {ASSUMPTION}; the further from "
-           f"W = {W}, the less it says"] if set(workers) - {W} else []),
+        *([f"extrapolated for W other than {W} (marked W*), not measured: their times come "
+           f"from the run at W = {W}: {ASSUMPTION}; the further from W = {W}, the less they "
+           f"say"] if set(workers) - {W} else []),
+        *([shared] if shared and set(workers) - {W} else []),
         *(["assumed for another m: compute per pass in proportion to m (one m measured)"]
           if set(micro_batch_factors) - {1} and model.per_sample is None else []),
         *notes,
@@ -183,7 +210,9 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
         f"(baseline steps of progress per second)" + (", and the measured one" if extra else ""),
         f"recommended: W = {top.workers}, k = {top.passes}, m = {top.micro_batch:g} "
         f"(S = {top.scale:g}): {top.goodput / measured.goodput:.2f}x the measured goodput"
-        + (f" (W = {top.workers} extrapolated from W = {W})" if extrapolated(top) else "")
+        + (f" (W = {top.workers} extrapolated from W = {W}, not measured"
+           + (", whose workers shared a host: see the warning above" if shared else "") + ")"
+           if extrapolated(top) else "")
         + (f"; W = {top.workers} is more workers than this machine's {slots} CPU slots: they "
            "need more hosts (hvd-scale run -H)" if slots and top.workers > slots else "")
         + (f"; T = {budget:g} baseline steps in {_duration(budget / top.goodput)} at today's "

@@ -1,6 +1,7 @@
 """`hvd-scale advise` (issue #24, 4): a synthetic log, written by the adapters' MetricsLogger,
 ranked by goodput as hvd_scale.goodput ranks the same grid."""
 
+import json
 import math
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 from hvd_scale import goodput
 from hvd_scale.adapters.log import MetricsLogger
 from hvd_scale.launch import cli
+from hvdrun import WORKERS_DIR, requires_horovod, run_horovod
 
 HVD_SCALE = Path(sys.executable).parent / "hvd-scale"
 
@@ -22,9 +24,12 @@ STEPS, BUDGET = 100, 3000.0
 
 
 def write_log(log_dir, *, policy="adascale", statistics=True, timings=True, overhead=None,
-              workers=None):
+              workers=None, host=None):
+    """host: run.json's host facts (default: one worker on each host)."""
     logger = MetricsLogger(log_dir, run_info={"policy": policy, "scale": S, "workers": W,
-                                              "backward_passes_per_step": K},
+                                              "backward_passes_per_step": K,
+                                              **({"host_cpus": 8, "workers_on_host": 1}
+                                                 if host is None else host)},
                            budget=BUDGET, progress_bar=False, tensorboard=False)
     for step in range(1, STEPS + 1):
         row = {"step": step, "progress": step * S, "scale": S, "passes": K}
@@ -150,3 +155,52 @@ def test_w_is_read_from_the_rows_not_run_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "at W = 2)" in out and "W = 2, k = 2" in out
     assert marked(out, "measured") == [(2, K, S / (2 * K))]
+
+
+def test_other_w_is_said_to_be_extrapolated_and_a_shared_host_is_warned_of(tmp_path, capsys):
+    """#48 item 2: on a log of 2 workers sharing 2 cores, advise carried their per-pass time to
+    W = 1 (1m07s predicted, 20 s when run) and said only "extrapolated". Now the W* rows say
+    their basis; where the workers shared a host, or the log does not say, a warning says the
+    per-pass time at another W is not measured; one worker a host: no warning."""
+    def advice(name, host):
+        log_dir = write_log(tmp_path / name, host=host)
+        if not host:  # a log written before run.json held the host's facts
+            info = json.loads((log_dir / "run.json").read_text())
+            del info["host_cpus"], info["workers_on_host"]
+            (log_dir / "run.json").write_text(json.dumps(info))
+        assert cli.main(["advise", str(log_dir), "--workers", "1,4", "--passes", "2"]) == 0
+        return capsys.readouterr().out
+
+    out = advice("shared", {"host_cpus": 2, "workers_on_host": 4})
+    assert "extrapolated for W other than 4 (marked W*), not measured: their times come from " \
+           "the run at W = 4: allreduce wait" in out
+    assert ("warning: the per-pass time at W = 4 was measured with its workers sharing a host "
+            "(4 workers on 2 CPUs): at another W it is not measured.") in out
+    assert "a pass at W = 1 can be several times faster" in out
+    assert "1*" in [line.split()[0] for line in out.splitlines() if line[:3].strip()[:1].isdigit()]
+    old = advice("old", {})
+    assert "run.json does not say whether the W = 4 workers shared a host" in old
+    alone = advice("alone", {"host_cpus": 8, "workers_on_host": 1})
+    assert "warning" not in alone and "(marked W*), not measured" in alone
+    # Only the measured W asked for: nothing extrapolated, nothing to warn of.
+    log_dir = write_log(tmp_path / "only", host={"host_cpus": 2, "workers_on_host": 4})
+    assert cli.main(["advise", str(log_dir), "--workers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "warning" not in out and "W*" not in out
+
+
+@requires_horovod
+@pytest.mark.timeout(300)
+def test_a_real_two_worker_log_records_its_shared_host_and_advise_warns(tmp_path, capsys):
+    """#48 item 2, for real: horovodrun -np 2 on this one host; run.json records the two workers
+    on it (the launcher's HOROVOD_LOCAL_SIZE) and its CPUs, and advise warns for W = 1."""
+    log_dir = tmp_path / "log"
+    run_horovod([sys.executable, str(WORKERS_DIR / "log_loss_worker.py"), str(tmp_path / "c.pt"),
+                 "--steps", "12"], np=2, timeout=120, env={"HVD_SCALE_LOG_DIR": str(log_dir)})
+    info = json.loads((log_dir / "run.json").read_text())
+    assert info["workers"] == 2 and info["workers_on_host"] == 2
+    assert info["host_cpus"] == os.cpu_count()
+    assert cli.main(["advise", str(log_dir), "--workers", "1,2", "--passes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (f"warning: the per-pass time at W = 2 was measured with its workers sharing a host "
+            f"(2 workers on {os.cpu_count()} CPUs)") in out
