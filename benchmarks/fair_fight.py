@@ -47,7 +47,7 @@ import time
 import transformer_bleu as b4
 
 from hvd_scale.launch.jobs import CPU_ENV_DEFAULTS, horovodrun_command, read_results
-from hvd_scale.policies import make_policy
+from hvd_scale.spec import make_policy
 
 ROOT = b4.ROOT
 RESULTS = b4.RESULTS

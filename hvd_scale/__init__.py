@@ -4,7 +4,9 @@ The engine (this package) is numpy only: adapters for PyTorch and Keras 3 live i
 ``hvd_scale.adapters``, the launcher in ``hvd_scale.launch``.
 
     GainEstimator     AdaScale's gain r from per-step gradient statistics (estimate.py)
-    make_policy       none | linear | sqrt | warmup | adascale | adascale_adam (policies.py)
+    make_policy       none | linear | sqrt | warmup | adascale | adascale_adam (spec.py; the
+                      rules: policies.py)
+    run               a run as one value: its record and the pure host step (run.py)
     schedules         baseline lr schedules evaluated in scale-invariant iterations
     reduce            the statistics vector's layout and reducers (local, mpi4py, Horovod)
     metrics           every metric name, once (the log that writes them: hvd_scale.adapters.log)
@@ -12,8 +14,8 @@ The engine (this package) is numpy only: adapters for PyTorch and Keras 3 live i
 
 from . import schedules
 from .estimate import GainEstimator
-from .policies import (POLICY_ENV, Policy, StepInfo, available_policies, describe_policies,
-                       make_policy, optimizer_family, parse_spec)
+from .policies import Policy, StepInfo, optimizer_family
+from .spec import POLICY_ENV, available_policies, describe_policies, make_policy, parse_spec
 from .reduce import LocalReducer, pack_local, unpack_summed
 from .schedules import lr_at
 

@@ -21,7 +21,8 @@ Every policy turns the step count and (for AdaScale) the step's gradient statist
 
 A fixed rule's step consumes S baseline batches, so tau advances by S and one baseline schedule
 lr(tau) and one budget T (in baseline steps) serve every policy. Policies are built from a spec
-string, ``name`` or ``name:key=value,...``, as given to ``--policy`` or ``HVD_SCALE_POLICY``.
+string, ``name`` or ``name:key=value,...``, as given to ``--policy`` or ``HVD_SCALE_POLICY``
+(``spec.py``: the registry, ``parse_spec``, ``make_policy``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
@@ -39,9 +39,6 @@ from .estimate import (GainEstimator, check_smoothing, check_scale, default_smoo
 from .metrics import POLICY_METRICS
 from .moments import bias_correction, moment_progress
 from .state import PROGRESS_INDEX, STEPS_INDEX, PolicyState
-
-POLICY_ENV = "HVD_SCALE_POLICY"
-DEFAULT_POLICY = "adascale"
 
 # Which optimizers a policy has theory for, by class name (torch.optim and keras.optimizers agree).
 SGD_FAMILY = frozenset({"SGD"})
@@ -116,63 +113,6 @@ def _rule(name: str, raw: str) -> str:
     return rule
 
 
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """'warmup:fraction=0.055' -> ('warmup', {'fraction': 0.055}), validated against the registry."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"policy spec must be a non-empty string such as 'adascale' or "
-                         f"'warmup:steps=500', got {spec!r}; valid policies: {available_policies()}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip().lower().replace("-", "_")
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {available_policies()}")
-    cls = POLICIES[name]
-    options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        key = key.strip()
-        if key in cls.renamed:
-            raise ValueError(f"policy spec {spec.strip()!r}: {cls.renamed[key]}")
-        if key not in cls.options:
-            valid = ", ".join(cls.options) or "none"
-            raise ValueError(f"unknown option {key!r} for policy {name!r}; valid options: {valid}")
-        if not eq:
-            raise ValueError(f"option {key!r} of policy {name!r} needs a value: {key}=...")
-        options[key] = cls.options[key][0](key, raw.strip())
-    return name, options
-
-
-def available_policies() -> list[str]:
-    return list(POLICIES)
-
-
-def describe_policies() -> list[tuple[str, str, dict[str, str]]]:
-    """(name, one-line description, {option: help}) for every policy."""
-    return [(name, cls.description, {k: v[1] for k, v in cls.options.items()})
-            for name, cls in POLICIES.items()]
-
-
-def make_policy(spec: str | None = None, *, scale: float, budget: float | None = None,
-                optimizer: str | None = None) -> "Policy":
-    """Build a policy from a spec string (None: ``$HVD_SCALE_POLICY``, else 'adascale').
-
-    scale: S, the step's batch over the baseline batch (workers x backward passes by default).
-    budget: T, the baseline steps to train for (needed by ``warmup:fraction=...``).
-    optimizer: the optimizer's class name; a policy without theory for it raises ValueError.
-    """
-    if spec is None and os.environ.get(POLICY_ENV):
-        try:
-            return make_policy(os.environ[POLICY_ENV], scale=scale, budget=budget,
-                               optimizer=optimizer)
-        except ValueError as e:  # say where the spec came from: the launcher or the shell
-            raise ValueError(f"${POLICY_ENV}={os.environ[POLICY_ENV]!r} (set by hvd-scale run "
-                             f"--policy, or in the environment): {e}") from e
-    name, options = parse_spec(DEFAULT_POLICY if spec is None else spec)
-    policy = POLICIES[name](scale=scale, budget=budget, **options)
-    if optimizer is not None:
-        policy.check_optimizer(optimizer)
-    return policy
-
-
 def check_budget(budget: Any) -> float | None:
     """T, the baseline steps to train for: None, or a finite number > 0 (0 or less would train
     nothing, nan or inf never end)."""
@@ -186,88 +126,6 @@ def check_budget(budget: Any) -> float | None:
         raise ValueError(f"budget must be a finite number > 0 (baseline steps to train for), "
                          f"got {budget!r}")
     return value
-
-
-def resolve_policy(policy: "str | Policy | None", *, scale: float, budget: float | None = None,
-                   optimizer: str | None = None, micro_gradients: int | None = None) -> "Policy":
-    """What an adapter builds its policy with: a spec (or None: the environment) or a ``Policy``
-    (rescaled to ``scale``); checks the optimizer, and that the variance is measurable
-    (``micro_gradients`` per step, over all workers)."""
-    check_budget(budget)  # also where a given Policy keeps its own
-    given = policy
-    if isinstance(policy, Policy):
-        if optimizer is not None:
-            policy.check_optimizer(optimizer)
-        if policy.scale != scale:
-            policy.rescale(scale)
-    else:
-        policy = make_policy(policy, scale=scale, budget=budget, optimizer=optimizer)
-    check_policy_source(given, policy)
-    if policy.uses_statistics and micro_gradients == 1 and policy.scale > 1:
-        raise ValueError(f"policy {policy.name!r} at scale {policy.scale:g} needs at least 2 "
-                         "micro-gradients per step to measure the variance, got 1 worker x 1 "
-                         "backward pass: use backward_passes_per_step >= 2, more workers, or a "
-                         "fixed policy")
-    return policy
-
-
-def check_policy_source(given: "str | Policy | None", policy: "Policy") -> None:
-    """A policy named in the code (``given``) and another in ``$HVD_SCALE_POLICY`` (``hvd-scale run
-    --policy``): the flag would lose without a word, so refuse naming both. The same policy in
-    both is fine."""
-    env = os.environ.get(POLICY_ENV)
-    if given is None or not env:
-        return
-    flag = make_policy(None, scale=policy.scale, budget=policy.budget)  # names $HVD_SCALE_POLICY on error
-    if flag.spec != policy.spec:
-        raise ValueError(f"the code asks for policy {policy.spec!r} while ${POLICY_ENV}={env!r} (set "
-                         f"by hvd-scale run --policy, or in the environment) asks for {flag.spec!r}: "
-                         "leave the policy to the flag (do not pass policy=, or pass policy=None) "
-                         "or run without --policy")
-
-
-def agree_across_ranks(build: "Callable[[], Policy]",
-                       allgather: "Callable[[Any], list] | None",
-                       settings: "Callable[[Policy], Mapping[str, Any]] | None" = None) -> "Policy":
-    """Build the policy on every rank and check, with one ``allgather`` of (values, error), that
-    all ranks succeeded with the same values: a bad or differing set-up then raises the same
-    ValueError on every rank (naming each rank's value) instead of one rank failing while the
-    others wait in a collective, or the replicas training apart.
-
-    Compared: the policy's spec (name and options), scale S and budget T, and what
-    ``settings(policy)`` adds (an adapter's passes, base lrs, ...: comparable, picklable values).
-    ``allgather=None``: a single process."""
-    built, error = None, None
-    try:
-        built = build()
-    except (ValueError, TypeError) as e:
-        error = f"{type(e).__name__}: {e}"
-    if allgather is None:
-        if error:
-            raise ValueError(error)
-        return built
-    values = None if built is None else {"policy": built.spec, "scale": built.scale,
-                                         "budget": built.budget,
-                                         **(settings(built) if settings else {})}
-    seen = allgather((values, error))  # the one collective: everything travels in it
-    errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(seen) if err]
-    if errors:
-        raise ValueError("hvd_scale: bad policy set-up; " + "; ".join(errors))
-    per_rank = [v for v, _ in seen]
-    differ = {key: {rank: v.get(key) for rank, v in enumerate(per_rank)}
-              for key in per_rank[0] if any(v.get(key) != per_rank[0][key] for v in per_rank)}
-    if differ:
-        problems = []
-        if "policy" in differ:
-            problems.append(f"the ranks run different policies {differ.pop('policy')}: give "
-                            "every worker the same policy (--policy / HVD_SCALE_POLICY)")
-        if differ:
-            problems.append("the ranks were given different " + "; ".join(
-                f"{key} {by_rank}" for key, by_rank in differ.items()) + ": every worker must "
-                "build its optimizer with the same values (they set the lr of every step, and "
-                "which collectives it runs)")
-        raise ValueError("hvd_scale: " + "; ".join(problems))
-    return built
 
 
 # -- the policies ------------------------------------------------------------------------------
@@ -296,6 +154,32 @@ class Policy:
     required: ClassVar[dict[str, str]] = {}   # option -> usage, for options without a default
     renamed: ClassVar[dict[str, str]] = {}    # a former option -> what to write instead
     moments_in_progress: ClassVar[bool] = False  # adascale_adam's default sets Adam's betas
+
+    @classmethod
+    def parse_options(cls, text: str, *, spec: str | None = None) -> dict[str, Any]:
+        """'fraction=0.055,rule=sqrt' -> {'fraction': 0.055, 'rule': 'sqrt'}, each option parsed
+        and checked by its own parser (``spec``: the whole spec, for errors)."""
+        options: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, eq, raw = item.partition("=")
+            key = key.strip()
+            if key in cls.renamed:
+                raise ValueError(f"policy spec {spec or cls.name!r}: {cls.renamed[key]}")
+            if key not in cls.options:
+                valid = ", ".join(cls.options) or "none"
+                raise ValueError(f"unknown option {key!r} for policy {cls.name!r}; valid "
+                                 f"options: {valid}")
+            if not eq:
+                raise ValueError(f"option {key!r} of policy {cls.name!r} needs a value: {key}=...")
+            options[key] = cls.options[key][0](key, raw.strip())
+        return options
+
+    def same_spec(self, spec: str) -> bool:
+        """Whether ``spec`` names this policy with these options (a checkpoint's spec)."""
+        name, _, rest = spec.strip().partition(":")
+        return name.strip().lower().replace("-", "_") == self.name and \
+            type(self).parse_options(rest, spec=spec) == \
+            type(self).parse_options(self.spec.partition(":")[2])
 
     def __init__(self, *, scale: float, budget: float | None = None, smoothing: float | None = None,
                  **options: Any):
@@ -329,13 +213,15 @@ class Policy:
         """Raise ValueError when this policy has no theory for the optimizer (fixed rules: any)."""
 
     def transition(self, state: PolicyState, sqnorm_sum=None, mean_sqnorm=None,
-                   n: int | None = None, *, scale: float,
-                   max_factor: float | None = None) -> tuple[PolicyState, StepInfo]:
+                   n: int | None = None, *, scale: float, max_factor: float | None = None,
+                   require_statistics: bool = True) -> tuple[PolicyState, StepInfo]:
         """One optimizer step at scale S: the record after it and what it applies.
 
         Statistics as in ``GainEstimator.update`` (None: nothing measured). ``max_factor``: a cap
         on the factor (``hvd_scale.guard``); tau advances as uncapped. Raises ValueError (the
         record is not replaced) on statistics missing where the policy needs them, or bad.
+        ``require_statistics=False``: a step that cannot be measured (a short step of one
+        micro-gradient) takes the gain at its S from the estimates so far.
         """
         scale = check_scale(scale)
         if max_factor is not None and not max_factor > 0:
@@ -347,7 +233,7 @@ class Policy:
         estimator = state.estimator
         if sqnorm_sum is not None and measurable:
             estimator = fold(estimator, sqnorm_sum, mean_sqnorm, n, scale, self.theta(scale))
-        elif self.uses_statistics and scale > 1:
+        elif self.uses_statistics and scale > 1 and require_statistics:
             raise ValueError(f"policy {self.name!r} needs gradient statistics every step")
         measured = dataclasses.replace(state, estimator=estimator)
         gain = self.rule_gain(measured, scale)
@@ -391,10 +277,13 @@ class Policy:
                 "backward passes per step")
         self.rescale(scale)
 
-    def with_state(self, state: PolicyState) -> "Policy":
-        """A shallow copy holding ``state`` (the configuration is shared, never changed)."""
+    def with_state(self, state: PolicyState, scale: float | None = None) -> "Policy":
+        """A shallow copy holding ``state`` (at ``scale``; default this one's S): a view of a
+        run's record for reading (the configuration is shared, never changed)."""
         other = copy.copy(self)
         other.state = state
+        if scale is not None:
+            other._scale = check_scale(scale)
         return other
 
     def done(self, budget: float | None = None) -> bool:
@@ -418,6 +307,11 @@ class Policy:
     def spec(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.spec_options().items())
         return f"{self.name}:{opts}" if opts else self.name
+
+    @property
+    def smoothing(self) -> float | None:
+        """The EMA's theta as given (None: the default, 0.999 ** S)."""
+        return self._smoothing
 
     def spec_options(self) -> dict[str, Any]:
         opts = dict(self._options)
@@ -478,11 +372,16 @@ class Policy:
         The checkpoint must come from the same policy spec (older versions are migrated,
         ``hvd_scale.state.migrate``); nothing changes on any error.
         """
-        state = PolicyState.from_dict(d, spec=self.spec)
+        state = self.load_state(d)
         if None not in (self.state.groups, state.groups) and self.state.groups != state.groups:
             raise ValueError(f"checkpoint has statistics for {state.groups} parameter group(s), "
                              f"this optimizer has {self.state.groups}")
         self.state = state
+
+    def load_state(self, d: Mapping) -> PolicyState:
+        """The record of a checkpoint's dict saved by this policy's spec (any version, migrated:
+        ``hvd_scale.state.migrate``); ValueError naming the difference, nothing held changes."""
+        return PolicyState.from_dict(d, spec=self.spec, accepts=self.same_spec)
 
     # The record as one float64 vector, for frameworks that keep it in a variable of their own
     # (Keras: an optimizer variable that checkpoints and broadcasts carry). The layout is the
@@ -751,10 +650,11 @@ class AdaScaleAdam(AdaScale):
         return math.sqrt(gain) if power == 0.5 else gain ** power
 
     def transition(self, state, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale,
-                   max_factor=None):
+                   max_factor=None, require_statistics=True):
         if state.steps >= self.MIN_ADAM_HISTORY:
             after, info = super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
-                                             max_factor=max_factor)
+                                             max_factor=max_factor,
+                                             require_statistics=require_statistics)
             measured = estimated_gain(after.estimator, scale) \
                 if self._options.get("capped") == "drift" else info.gain
             if measured > info.gain:
@@ -766,7 +666,8 @@ class AdaScaleAdam(AdaScale):
             return after, info
         # The warm-in: bad statistics fail as in a measured step; the estimates stay untouched.
         after, info = super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
-                                         max_factor=max_factor)
+                                         max_factor=max_factor,
+                                         require_statistics=require_statistics)
         return dataclasses.replace(after, estimator=state.estimator), info
 
     def check_optimizer(self, optimizer: str) -> None:
@@ -778,9 +679,3 @@ class AdaScaleAdam(AdaScale):
                              f"{sorted(self.PROGRESS_OPTIMIZERS)} only, got optimizer "
                              f"{optimizer!r}: use 'adascale_adam:moments=steps' to leave its "
                              "betas alone")
-
-
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (NoScaling, LinearScaling, SqrtScaling, PowerScaling, FixedFactor,
-                              WarmupScaling, LEGW, AdaScale, AdaScaleAdam)
-}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -72,12 +72,12 @@ class PolicyState:
                               **self.estimator.to_dict()}}
 
     @classmethod
-    def from_dict(cls, d: Mapping, *, spec: str) -> "PolicyState":
+    def from_dict(cls, d: Mapping, *, spec: str, accepts: Callable[[str], bool]) -> "PolicyState":
         """The record of a checkpoint saved by the policy ``spec`` (any version, migrated);
-        ValueError naming the difference when another policy saved it or it is malformed."""
-        from .policies import parse_spec  # the spec grammar is the policies'
+        ValueError naming the difference when ``accepts`` (``Policy.same_spec``) refuses the
+        spec that saved it, or it is malformed."""
         d = migrate(d)
-        if parse_spec(d["policy"]) != parse_spec(spec):
+        if not accepts(d["policy"]):
             raise ValueError(f"checkpoint was saved by policy {d['policy']!r}, this job runs "
                              f"{spec!r}; build the policy from the same spec to resume")
         est = d["estimator"]

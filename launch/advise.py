@@ -25,7 +25,7 @@ import numpy as np
 from hvd_scale import goodput
 from hvd_scale.launch.plot import read_run
 from hvd_scale.metrics import TIMING_METRICS, check_names
-from hvd_scale.policies import make_policy
+from hvd_scale.spec import make_policy
 
 # The columns read, named as hvd_scale.metrics names them (checked there: a renamed metric fails
 # here at import, never as an empty column).

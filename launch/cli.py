@@ -25,7 +25,7 @@ from typing import Sequence
 
 from hvd_scale.adapters.log import check_every
 from hvd_scale.launch import engines
-from hvd_scale.policies import describe_policies, parse_spec
+from hvd_scale.spec import describe_policies, parse_spec
 
 DESCRIPTION = ("Run a training script under horovodrun, Ray or Spark with a learning-rate scaling "
                "policy, list the policies, check the environment, plot runs, and advise on a "

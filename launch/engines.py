@@ -45,7 +45,7 @@ from hvd_scale.launch.jobs import (CPU_ENV_DEFAULTS, GPU_ENV_DEFAULTS,  # noqa: 
                                    find_horovodrun, horovodrun_command, start_np)
 from hvd_scale.adapters.log import check_every
 from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
-from hvd_scale.policies import POLICY_ENV, parse_spec
+from hvd_scale.spec import POLICY_ENV, parse_spec
 
 # Device files of NVIDIA's and AMD's (ROCm) drivers: there without importing a framework.
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from hvd_scale.launch import cli
-from hvd_scale.policies import parse_spec
+from hvd_scale.spec import parse_spec
 from hvdrun import REPO_ROOT
 
 yaml = pytest.importorskip("yaml")  # PyYAML: a Horovod dependency, in the venv

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import hvd_scale
 from hvd_scale import GainEstimator, available_policies, make_policy, parse_spec
-from hvd_scale.policies import resolve_policy
+from hvd_scale.spec import resolve_policy
 from hvd_scale.estimate import gain_ratio
 
 BUDGET = 1000.0
@@ -368,7 +368,7 @@ def test_budget_must_be_finite_and_positive(budget):
     with pytest.raises(ValueError, match="budget must be a finite number > 0"):
         make_policy("linear", scale=4).done(budget)
     with pytest.raises(ValueError, match="budget must be a finite number > 0"):
-        hvd_scale.policies.resolve_policy(make_policy("linear", scale=4), scale=4, budget=budget)
+        hvd_scale.spec.resolve_policy(make_policy("linear", scale=4), scale=4, budget=budget)
     assert make_policy("linear", scale=4, budget=2.5).budget == 2.5
 
 
@@ -597,15 +597,15 @@ def test_load_keeps_this_jobs_scale():
 
 def test_resolve_policy_rejects_unmeasurable_adascale():
     with pytest.raises(ValueError, match="needs at least 2 micro-gradients"):
-        hvd_scale.policies.resolve_policy("adascale", scale=2, micro_gradients=1)
+        hvd_scale.spec.resolve_policy("adascale", scale=2, micro_gradients=1)
     # fixed rules need no variance, and S = 1 needs none either
-    assert hvd_scale.policies.resolve_policy("linear", scale=2, micro_gradients=1).scale == 2
-    assert hvd_scale.policies.resolve_policy("adascale", scale=1, micro_gradients=1).gain == 1.0
+    assert hvd_scale.spec.resolve_policy("linear", scale=2, micro_gradients=1).scale == 2
+    assert hvd_scale.spec.resolve_policy("adascale", scale=1, micro_gradients=1).gain == 1.0
 
 
 def test_resolve_policy_rescales_a_given_policy():
     policy = hvd_scale.make_policy("linear", scale=2)
-    assert hvd_scale.policies.resolve_policy(policy, scale=8, optimizer="SGD") is policy
+    assert hvd_scale.spec.resolve_policy(policy, scale=8, optimizer="SGD") is policy
     assert policy.factor() == 8
 
 
@@ -626,14 +626,14 @@ def _fake_allgather(specs, scales=None, budgets=None):
 
 
 def test_agree_across_ranks_accepts_the_same_spec():
-    policy = hvd_scale.policies.agree_across_ranks(
+    policy = hvd_scale.spec.agree_across_ranks(
         lambda: hvd_scale.make_policy("sqrt", scale=2), _fake_allgather(["sqrt", "sqrt"]))
     assert policy.name == "sqrt"
 
 
 def test_agree_across_ranks_reports_differing_specs_on_every_rank():
     with pytest.raises(ValueError, match="different policies") as e:
-        hvd_scale.policies.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
+        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
                                               _fake_allgather(["sqrt", "linear"]))
     assert "'sqrt'" in str(e.value) and "'linear'" in str(e.value)
 
@@ -641,7 +641,7 @@ def test_agree_across_ranks_reports_differing_specs_on_every_rank():
 def test_agree_across_ranks_reports_another_ranks_error():
     # rank 0 (us) built fine; rank 1's spec was bad: we raise too, naming rank 1.
     with pytest.raises(ValueError, match="rank 1: ValueError: unknown policy 'sqtr'"):
-        hvd_scale.policies.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
+        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
                                               _fake_allgather(["sqrt", "sqtr"]))
 
 
@@ -652,7 +652,7 @@ def test_agree_across_ranks_reports_another_ranks_error():
 def test_agree_across_ranks_reports_differing_scale_or_budget_per_rank(scales, budgets, named):
     """Issue #22, 1: a scale (or budget) that differs between ranks trained apart silently."""
     with pytest.raises(ValueError, match="different") as e:
-        hvd_scale.policies.agree_across_ranks(
+        hvd_scale.spec.agree_across_ranks(
             lambda: hvd_scale.make_policy("sqrt", scale=scales[0],
                                           budget=budgets[0] if budgets else None),
             _fake_allgather(["sqrt", "sqrt"], scales, budgets))
@@ -663,7 +663,7 @@ def test_agree_across_ranks_compares_the_adapters_settings():
     gathered = [({"policy": "sqrt", "scale": 2.0, "budget": None, "backward_passes_per_step": k,
                   "lr": {"param_groups[0]": lr}}, None) for k, lr in ((1, 0.1), (2, 0.1))]
     with pytest.raises(ValueError, match=r"backward_passes_per_step \{0: 1, 1: 2\}") as e:
-        hvd_scale.policies.agree_across_ranks(
+        hvd_scale.spec.agree_across_ranks(
             lambda: hvd_scale.make_policy("sqrt", scale=2), lambda mine: gathered,
             lambda built: {"backward_passes_per_step": 1, "lr": {"param_groups[0]": 0.1}})
     assert "lr {" not in str(e.value)  # the lrs agree: only what differs is named
@@ -671,7 +671,7 @@ def test_agree_across_ranks_compares_the_adapters_settings():
 
 def test_agree_across_ranks_single_process_raises_its_own_error():
     with pytest.raises(ValueError, match="unknown policy"):
-        hvd_scale.policies.agree_across_ranks(lambda: hvd_scale.make_policy("sqtr", scale=2), None)
+        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqtr", scale=2), None)
 
 
 # ----------------------------------------------------------------------------------------------
