@@ -1,0 +1,398 @@
+"""A run as one value: the record of everything a step changes, and the pure functions over it.
+
+    RunState     the policy's record (``hvd_scale.state.PolicyState``: steps, tau, skipped, the
+                 latest lr factor, the estimates) and the run's layout and step-to-step values:
+                 S, k, the workers, whether statistics are taken, the skips in a row, the lr the
+                 latest step applied; one dict form and one vector form, each with its version
+    Setup        what no step changes: the policy (a rule and its options), the parameter groups,
+                 what a non-finite step does, whether short steps can happen, adapt's bounds
+    host_step    (setup, run, StepInputs) -> (run, plan, info): one optimizer step on the host
+    relayout     (setup, run, passes=, workers=, scale=) -> run: a change of k or S
+    restored     (setup, run, saved) -> run: a saved or broadcast record taken into this job
+
+Every adapter holds one ``RunState`` (torch in Python, Keras in one optimizer variable, its
+vector) and replaces it with what these functions return; nothing else holds a run's state, so
+a checkpoint, a broadcast or an elastic sync cannot restore half of it.
+
+S is the step's batch over the baseline batch: S = u W k for W workers of k micro-batches, with u
+= S / (W k) the baseline batches per micro-batch, fixed by the set-up (``scale=``). A change of W
+or k keeps u; no change of layout moves tau, the estimates or the lr by itself (they are in
+baseline units). A layout that cannot run is refused before anything is applied:
+
+    S < 1                                     no policy is defined below the baseline batch
+    the policy needs the variance, S > 1 and  statistics not taken, or n = W k = 1 micro-gradient
+                                              a step (one micro-gradient has no variance)
+
+The dict form (torch's ``state_dict``, broadcasts):
+
+    {"version", "policy": PolicyState's dict, "scale", "passes", "workers", "measure",
+     "skips_in_a_row", "last_lr"}
+
+The vector form (Keras's ``hvd_scale_state``), float64:
+
+    [version, scale, passes, workers, measure, skips_in_a_row, last_lr, PolicyState's vector]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .moments import EPS_CORRECTED, AdamStep, adam_step, moment_progress
+from .policies import Policy, StepInfo
+from .reduce import unpack_step
+from .state import PROGRESS_INDEX as POLICY_PROGRESS_INDEX
+from .state import STEPS_INDEX as POLICY_STEPS_INDEX
+from .state import PolicyState
+
+# 6: the run record (this module) holds the policy's record (version 5) and the layout; a
+#    version-5 torch checkpoint ({"hvd_scale": the policy's dict, "passes"}) is migrated
+#    (``from_dict``); a Keras vector of before (no version, 6 + 2G values) does not fit the
+#    variable and is refused by Keras's loader.
+VERSION = 6
+KEYS = {"version", "policy", "scale", "passes", "workers", "measure", "skips_in_a_row", "last_lr"}
+HEAD = 7  # the vector's fields before the policy's record
+VERSION_INDEX, SCALE_INDEX, PASSES_INDEX = 0, 1, 2  # a framework may read these in its graph
+STEPS_INDEX = HEAD + POLICY_STEPS_INDEX
+PROGRESS_INDEX = HEAD + POLICY_PROGRESS_INDEX
+
+NONFINITE = ("skip", "raise")
+# Skipped steps in a row after which a run has diverged (the weights themselves overflow the
+# forward pass; skipping would go on forever without advancing tau). AMP's scaler needs a few
+# dozen skips at most to find its scale.
+DIVERGED_AFTER = 100
+
+# What the framework's optimizer holds for each parameter group before a step: the step's
+# baseline lr (a schedule's value), Adam's betas and eps, the decoupled (AdamW) decay and the step
+# count t its bias correction will use after this step; nan where it has no such value.
+USER_SETTINGS = ("lr", "beta1", "beta2", "eps", "weight_decay", "framework_step")
+# The host's answer, a row per group: the policy's lr factor (0: the step is skipped) and what
+# the inner update uses for this step only; nan: the user's value stays.
+PLAN = ("lr_factor", "lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    """Everything a run's steps change (see the module's docstring)."""
+
+    policy: PolicyState
+    scale: float          # S of a full step at this layout
+    passes: int           # k, backward passes (micro-batches) per step and worker
+    workers: int          # W
+    measure: bool         # statistics are taken (fixed by the adapter's set-up)
+    skips_in_a_row: int = 0
+    last_lr: float = math.nan  # the lr the latest applied step used (nan: none yet)
+
+    @property
+    def micro_gradients(self) -> int:
+        """n of a full step: W x k."""
+        return self.workers * self.passes
+
+    @property
+    def unit(self) -> float:
+        """u = S / (W k): baseline batches per micro-batch (``scale=`` sets it)."""
+        return self.scale / self.micro_gradients
+
+    # -- the dict ------------------------------------------------------------------------------
+    def to_dict(self, setup: "Setup") -> dict:
+        policy = setup.policy
+        return {"version": VERSION,
+                "policy": self.policy.to_dict(spec=policy.spec, scale=self.scale,
+                                              smoothing=policy.smoothing),
+                "scale": self.scale, "passes": self.passes, "workers": self.workers,
+                "measure": self.measure, "skips_in_a_row": self.skips_in_a_row,
+                "last_lr": self.last_lr}
+
+    @classmethod
+    def from_dict(cls, d: Any, setup: "Setup") -> "RunState":
+        """The record of a checkpoint of ``setup``'s policy; a version-5 torch checkpoint's
+        policy part (``{"version": <=5, "policy": spec, ...}``) is taken as a record at its own
+        S with this job's layout unknown (``restored`` puts it right). ValueError naming what
+        does not fit."""
+        if isinstance(d, Mapping) and "steps" in d:  # the policy's own dict: version <= 5
+            state = setup.policy.load_state(d)
+            scale = float(d.get("estimator", {}).get("scale", 1.0))
+            return cls(state, scale, 0, 0, False)
+        if not isinstance(d, Mapping) or set(d) != KEYS:
+            got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
+            raise ValueError(f"hvd_scale run state: expected keys {sorted(KEYS)}, got {got}")
+        if d["version"] != VERSION:
+            raise ValueError(f"hvd_scale run state version {d['version']!r} is not supported "
+                             f"(expected {VERSION}, or a policy state of version <= 5)")
+        return cls(setup.policy.load_state(d["policy"]), float(d["scale"]), int(d["passes"]),
+                   int(d["workers"]), bool(d["measure"]), int(d["skips_in_a_row"]),
+                   float(d["last_lr"]))
+
+    # -- the vector ----------------------------------------------------------------------------
+    @staticmethod
+    def vector_size(groups: int) -> int:
+        return HEAD + PolicyState.vector_size(groups)
+
+    def to_vector(self, groups: int) -> np.ndarray:
+        head = [VERSION, self.scale, self.passes, self.workers, float(self.measure),
+                self.skips_in_a_row, self.last_lr]
+        return np.concatenate([np.asarray(head, dtype=np.float64),
+                               self.policy.to_vector(groups)])
+
+    @classmethod
+    def from_vector(cls, vector, groups: int) -> "RunState":
+        v = np.asarray(vector, dtype=np.float64)
+        if v.shape != (cls.vector_size(groups),):
+            raise ValueError(f"an hvd_scale run state vector for {groups} parameter group(s) "
+                             f"holds {cls.vector_size(groups)} values, got shape {v.shape}")
+        version, scale, passes, workers, measure, skips, last_lr = v[:HEAD].tolist()
+        if version != VERSION:
+            raise ValueError(f"the hvd_scale state vector (Keras's hvd_scale_state) holds a "
+                             f"version {version:g} record, this hvd_scale reads version "
+                             f"{VERSION}: it was saved by another hvd_scale (or overwritten); "
+                             "resume with the version that saved it")
+        return cls(PolicyState.from_vector(v[HEAD:], groups), scale, int(passes), int(workers),
+                   bool(measure), int(skips), last_lr)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What no step of a run changes: the configuration the pure functions read."""
+
+    policy: Policy                 # the rule, its options, T and theta (its own record unused)
+    groups: int = 1
+    nonfinite: str = "skip"
+    short_steps: bool = False      # a step may count fewer micro-gradients than W x k
+    eps_placement: str = EPS_CORRECTED
+    max_passes: int | None = None  # adapt="goodput": k in [min_passes, max_passes]
+    min_passes: int = 1
+
+    def __post_init__(self):
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """One step's inputs, as the adapter gathered them."""
+
+    statistics: Any = None   # [s..., c, q...] summed over workers (``hvd_scale.reduce``); None
+    finite: bool = True      # the framework's verdict on the averaged gradient (unmeasured)
+    user_settings: Any = None  # a row of USER_SETTINGS per group
+    loss_scale: float | None = None  # the gradients were scaled by it (AMP)
+    workers: int | None = None  # W now (Horovod elastic); None: unchanged
+    count: int | None = None  # micro-gradients of an unmeasured step; None: W x k
+    max_lr: float | None = None  # the lr guard's cap on lr x factor (None: no cap)
+
+
+def start(setup: Setup, *, scale: float, passes: int, workers: int, measure: bool) -> RunState:
+    """The record of a run before its first step, its layout checked (``check_layout``)."""
+    run = RunState(PolicyState(), float(scale), int(passes), int(workers), bool(measure))
+    check_layout(setup, run)
+    return run
+
+
+def check_layout(setup: Setup, run: RunState, why: str = "") -> None:
+    """ValueError when the policy cannot run at ``run``'s layout (the module's table)."""
+    policy = setup.policy
+    if run.scale < 1:
+        raise ValueError(f"hvd_scale: {why}S = {run.scale:g} is below the baseline batch "
+                         "(S >= 1): no policy is defined there (nothing was changed). Give the "
+                         f"job at least {math.ceil(1 / (run.unit * run.passes) - 1e-9)} workers "
+                         "(horovodrun --min-np), or more backward passes per step")
+    if not policy.uses_statistics or run.scale <= 1:
+        return
+    if not run.measure:
+        raise ValueError(
+            f"hvd_scale: {why}policy {policy.name!r} at S = {run.scale:g} needs the gradient "
+            "statistics every step, and this optimizer takes none (built with measure=False, "
+            "or at S = 1 with one micro-gradient a step, where there is nothing to measure): "
+            "build it with measure=True (or adapt='goodput') to run there (nothing was changed)")
+    if run.micro_gradients == 1:
+        raise ValueError(
+            f"hvd_scale: {why}policy {policy.name!r} at S = {run.scale:g} needs at least 2 "
+            "micro-gradients per step to measure the variance, got 1 worker x 1 backward pass: "
+            "use more passes per step, more workers, or a fixed policy (nothing was changed)")
+
+
+def relayout(setup: Setup, run: RunState, *, passes: int | None = None,
+             workers: int | None = None, scale: float | None = None) -> RunState:
+    """A change of k, W or S: S follows k and W in proportion (u stays) unless ``scale`` is
+    given. Only the layout changes: tau, the estimates, the skips and the last lr stay.
+    ValueError (``check_layout``) for a layout that cannot run, naming the change."""
+    k = run.passes if passes is None else int(passes)
+    w = run.workers if workers is None else int(workers)
+    if (k, w, scale) == (run.passes, run.workers, None):
+        return run
+    new_scale = run.unit * w * k if scale is None else float(scale)
+    changes = [f"{what} went from {a} to {b}{unit}" for what, a, b, unit in
+               (("the job", run.workers, w, " worker(s)"), ("k", run.passes, k, " passes per step"))
+               if a != b] or [f"S was set to {new_scale:g}"]
+    after = dataclasses.replace(run, scale=new_scale, passes=k, workers=w)
+    check_layout(setup, after, why=" and ".join(changes) +
+                 f", which would take S from {run.scale:g} to {new_scale:g}: ")
+    return after
+
+
+def restored(setup: Setup, run: RunState, saved: RunState, *, take_passes: bool) -> RunState:
+    """``saved`` (a checkpoint's or root's record) taken into this job: its policy record,
+    skips and last lr, at this job's W and u, with the saved k when ``take_passes`` (adapt)
+    and it is within [1, max_passes]; the layout checked. ValueError before anything changes."""
+    k = run.passes
+    if take_passes and saved.passes and saved.passes != run.passes:
+        if setup.max_passes is None or not 1 <= saved.passes <= setup.max_passes:
+            raise ValueError(f"checkpoint was saved at {saved.passes} passes per step "
+                             f"(adapt='goodput'); this optimizer takes at most max_passes="
+                             f"{setup.max_passes}: build it with a max_passes that allows it")
+        k = saved.passes
+    groups = saved.policy.groups
+    if groups not in (None, setup.groups):
+        raise ValueError(f"checkpoint has statistics for {groups} parameter group(s), this "
+                         f"optimizer has {setup.groups}")
+    taken = dataclasses.replace(run, policy=saved.policy, skips_in_a_row=saved.skips_in_a_row,
+                                last_lr=saved.last_lr)
+    return relayout(setup, taken, passes=k)
+
+
+# -- one step ------------------------------------------------------------------------------------
+
+def check_lrs(run: RunState, lrs: Mapping[str, Any]) -> None:
+    """The lrs of the step about to be taken ({name: lr}) must be finite and >= 0: a negative
+    lr would ascend the loss, nan or inf wreck the weights. 0 is allowed (warm-ups start there).
+    The same on every rank when every rank runs the same code."""
+    for name, lr in lrs.items():
+        try:
+            value = float(lr)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"hvd_scale: {name} is {lr!r} at step {run.policy.steps + 1}: "
+                             "the learning rate must be a finite number >= 0 (the step was "
+                             "not applied nor counted)")
+
+
+def check_adam_history(run: RunState, framework_steps: Sequence[float]) -> None:
+    """Adam's state must have taken at least the steps the policy accounted: with horizons in
+    progress its bias correction is 1 - beta^tau, and a fresh Adam state under a restored
+    policy would take a first update several times too large."""
+    steps = run.policy.steps
+    behind = [t for t in framework_steps if math.isfinite(t) and t < steps + 1]
+    if behind:
+        raise ValueError(
+            f"hvd_scale: the optimizer's Adam state has taken {int(min(behind)) - 1} "
+            f"update(s), but the policy state has accounted {steps} step(s) (tau "
+            f"{run.policy.progress:g}): a policy state restored without the optimizer's own "
+            "(a fresh Adam under a loaded policy) would make this update several times too "
+            "large, as adascale_adam corrects Adam's bias by tau. Restore both from one "
+            "checkpoint (opt.load_state_dict), or start the policy afresh too (the step was "
+            "not applied nor counted)")
+
+
+def skipped(run: RunState) -> RunState:
+    """A step measured but never applied (non-finite; AMP's scaler skipped it). FloatingPointError
+    after ``DIVERGED_AFTER`` in a row: the run has diverged."""
+    after = dataclasses.replace(
+        run, policy=dataclasses.replace(run.policy, skipped=run.policy.skipped + 1),
+        skips_in_a_row=run.skips_in_a_row + 1)
+    if after.skips_in_a_row >= DIVERGED_AFTER:
+        last = "no step has been applied since the optimizer was built" \
+            if math.isnan(run.last_lr) else f"the last step applied had lr {run.last_lr:g}"
+        raise FloatingPointError(
+            f"hvd_scale: {after.skips_in_a_row} steps in a row had non-finite gradients and "
+            f"were skipped without applying anything (all at step {run.policy.steps + 1}, "
+            f"tau {run.policy.progress:g}; {last}): training has diverged")
+    return after
+
+
+def host_step(setup: Setup, run: RunState, inputs: StepInputs,
+              lr_names: Sequence[str] | None = None
+              ) -> tuple[RunState, np.ndarray, StepInfo | None]:
+    """One optimizer step on the host: (the record after it, the plan, what it applied).
+
+    The plan is a row of ``PLAN`` per group. Checked first, before anything counts, alike on
+    every rank: the groups' lrs, Adam's history, a change of workers (elastic). A non-finite
+    step (the framework's verdict, or statistics that are not finite) is skipped (factor 0;
+    ``skipped``) or raises FloatingPointError. The micro-gradients counted (the statistics', or
+    ``count``) give the step's S: a full step S, a short one S x n / (W k) (the lr and tau of
+    its own S; with n = 1 the estimates so far give its gain); none or more than W k raise.
+    """
+    policy = setup.policy
+    user = np.asarray(inputs.user_settings, dtype=np.float64).reshape(setup.groups,
+                                                                      len(USER_SETTINGS))
+    lrs = user[:, 0].tolist()
+    names = lr_names or (("lr",) if setup.groups == 1 else
+                         tuple(f"param_groups[{i}]['lr']" for i in range(setup.groups)))
+    check_lrs(run, dict(zip(names, lrs)))
+    if policy.moments_in_progress:
+        check_adam_history(run, user[:, -1].tolist())
+    if inputs.workers is not None and inputs.workers != run.workers:
+        # Horovod elastic: S follows the workers (u stays); S < 1 refused, nothing changed.
+        run = relayout(setup, run, workers=inputs.workers)
+    plan = np.full((setup.groups, len(PLAN)), np.nan)
+    plan[:, 0] = 0.0
+    values = None if inputs.statistics is None or not run.measure else \
+        np.asarray(inputs.statistics, dtype=np.float64)
+    finite = bool(inputs.finite) and (values is None or bool(np.all(np.isfinite(values))))
+    if not finite:
+        if setup.nonfinite == "raise":
+            raise FloatingPointError(f"non-finite gradients at step {run.policy.steps + 1} "
+                                     "(pass nonfinite='skip' to skip such steps)")
+        return skipped(run), plan, None
+    base_lr = lrs[0]
+    # lr 0 (a warm-up that starts there) needs no cap, and has none to divide by.
+    cap = None if inputs.max_lr is None or base_lr == 0 else inputs.max_lr / base_lr
+    expected = run.micro_gradients
+    statistics = None
+    if values is not None:
+        sqnorm_sum, n, mean_sqnorm = unpack_step(values, setup.groups, inputs.loss_scale)
+        statistics = (sqnorm_sum, mean_sqnorm, n)
+    else:
+        n = expected if inputs.count is None else int(inputs.count)
+    if n == 0:  # no backward pass on any rank since the last step
+        raise RuntimeError("hvd_scale: step() found no gradients from any backward pass "
+                           f"(0 micro-gradients, expected {run.workers} workers x "
+                           f"{run.passes}): call loss.backward() (once per pass, "
+                           "backward_passes_per_step times) before step()")
+    if n == expected:
+        scale, required = run.scale, True
+    elif setup.short_steps and 1 <= n < expected:
+        # Each micro-batch is worth u baseline batches: so is the step. One micro-gradient
+        # has no variance: the estimates so far give the gain at the step's S.
+        scale, required = max(1.0, run.unit * n), False
+        if n == 1:
+            statistics = None
+    else:  # e.g. a world size frozen in a traced graph
+        raise RuntimeError(f"hvd_scale: the step's statistics count {n} micro-gradients, "
+                           f"expected {run.workers} workers x {run.passes}")
+    try:
+        record, info = policy.transition(run.policy, *(statistics or (None, None, None)),
+                                         scale=scale, max_factor=cap,
+                                         require_statistics=required)
+    except ValueError as e:
+        if required:
+            raise
+        raise ValueError(f"hvd_scale: a short step of {n} backward pass(es) in all "
+                         f"({run.workers} workers x {run.passes} announced) cannot be "
+                         f"measured: {e}") from e
+    after = dataclasses.replace(run, policy=record, skips_in_a_row=0,
+                                last_lr=float(base_lr) * info.lr_factor)
+    plan[:, 0] = info.lr_factor
+    plan[:, 1] = user[:, 0] * info.lr_factor
+    if policy.moments_in_progress:
+        for row, (lr, beta1, beta2, eps, decay, t) in zip(plan, user.tolist()):
+            adam = adam_settings(setup, info, base_lr=lr, lr_factor=info.lr_factor, beta1=beta1,
+                                 beta2=beta2, eps=eps, framework_step=int(t),
+                                 weight_decay=None if math.isnan(decay) else decay)
+            row[1:] = (adam.lr, adam.beta1, adam.beta2, adam.eps,
+                       math.nan if adam.weight_decay is None else adam.weight_decay)
+    return after, plan, info
+
+
+def adam_settings(setup: Setup, info: StepInfo, *, base_lr: float, lr_factor: float,
+                  beta1: float, beta2: float, eps: float, framework_step: int,
+                  weight_decay: float | None = None) -> AdamStep:
+    """The framework's Adam settings for the step ``info`` with horizons in progress
+    (``hvd_scale.moments``). ``framework_step``: the t the framework's bias correction uses."""
+    return adam_step(lr=base_lr * lr_factor, base_lr=base_lr, beta1=beta1, beta2=beta2, eps=eps,
+                     gain=info.gain,
+                     progress=moment_progress(info.progress, info.step, framework_step),
+                     framework_step=framework_step, eps_placement=setup.eps_placement,
+                     weight_decay=weight_decay)
