@@ -2,7 +2,7 @@
 
 A bad or differing set-up raises the same ValueError on every rank (naming each rank's value)
 instead of one rank failing while the others wait in a collective, or the replicas training
-apart. One allgather at set-up (``hvd_scale.policies.agree_across_ranks``), one at the first step;
+apart. One allgather at set-up (``hvd_scale.spec.agree_across_ranks``), one at the first step;
 none under Horovod elastic, where a worker that joins builds its optimizer while the others train
 (a collective would wait forever) and the state comes from rank 0 at every sync instead.
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
-from hvd_scale.policies import Policy, agree_across_ranks, resolve_policy
+from hvd_scale.policies import Policy
+from hvd_scale.run import RunState
+from hvd_scale.spec import agree_across_ranks, resolve_policy
 
 
 def check_base_lrs(base_lrs: Mapping[str, Any]) -> None:
@@ -47,15 +49,18 @@ def agreed_policy(hvd, *, policy: "str | Policy | None", scale: float | None,
     return agree_across_ranks(build, allgather, settings)
 
 
-def agree_on_state(hvd, policy: Policy, elastic: bool) -> None:
-    """Every rank must hold the same policy state (steps, tau). A checkpoint loaded on some
+def agree_on_state(hvd, run: RunState, elastic: bool) -> None:
+    """Every rank must hold the same record (steps, tau, k, S). A checkpoint loaded on some
     ranks only (without ``broadcast_state`` after it) would train the replicas with different
-    lrs and tau, silently; here it is a ValueError on every rank naming each rank's state."""
+    lrs and tau, or take different numbers of passes, silently; here it is a ValueError on every
+    rank naming each rank's record."""
     if hvd.size() == 1 or elastic:
         return
-    seen = hvd.allgather_object((policy.steps, policy.progress), name="hvd_scale.state")
+    mine = (run.policy.steps, run.policy.progress, run.passes, run.scale)
+    seen = hvd.allgather_object(mine, name="hvd_scale.state")
     if len(set(seen)) > 1:
-        states = {rank: f"{steps} steps, tau {tau:g}" for rank, (steps, tau) in enumerate(seen)}
-        raise ValueError(f"hvd_scale: the ranks start with different policy states {states}: "
+        states = {rank: f"{steps} steps, tau {tau:g}, k {k}, S {scale:g}"
+                  for rank, (steps, tau, k, scale) in enumerate(seen)}
+        raise ValueError(f"hvd_scale: the ranks start with different run states {states}: "
                          "a checkpoint loaded on some ranks only? Load it on every rank, or on "
                          "rank 0 and then call broadcast_state(model, optimizer) on every rank")

@@ -3,12 +3,12 @@
 A framework plugs in by implementing ``FrameworkOptimizer`` in its own module (``torch/``;
 ``keras/optimizer.py``, whose backend-specific collectives are in ``keras/backends.py``).
 Everything that is not a tensor operation lives once, beside this file: ``core.py`` (the
-sequence of a step, ``run_step``; ``Scaling``: the measurement default, the statistics layout
-with unscaling, the step's plan of lr factor and Adam's settings, the per-step record and log,
-following the world size), ``agreement.py`` (building the policy and checking that every rank
-agrees on it and on its state), ``adapt.py`` (the step clock and adapt="goodput"'s choice of k),
-``checkpoint.py`` (the policy state in checkpoints and broadcasts), ``readout.py`` (the read-only
-values).
+sequence of a step, ``run_step``; ``Scaling``: the set-up, the measurement default, the run's one
+record and the engine's pure functions over it (``hvd_scale.run``: the step's plan of lr factor
+and Adam's settings, a change of k or S, a restore), the log, checkpoints and broadcasts),
+``agreement.py`` (building the policy and checking that every rank agrees on it and on its
+record), ``adapt.py`` (the step clock and adapt="goodput"'s choice of k), ``readout.py`` (the
+read-only values).
 The math lives in the engine (``hvd_scale``), metric names in ``hvd_scale.metrics``, what is read
 from the environment in ``environment.py``.
 
@@ -16,10 +16,17 @@ One optimizer step, whatever the framework (``core.run_step``):
 
     each micro-batch:   its own gradient's squared norm added to s_j, c += 1 (the framework's
                         business: torch's hooks, Keras's apply)
-    once per step:      statistics, finite = reduced_statistics()    [s..., c, q...] over workers
-                        plan = on_host(scaling.plan, statistics, finite, user_settings(), loss_scale())
-                        apply_step(plan)      the inner update with the plan's lr (and Adam's
+    once per step:      step, statistics, finite, count = reduced_statistics(step)
+                                              [s..., c, q...] over workers (or None, and n)
+                        plan = on_host(scaling.plan, statistics, finite, user_settings(),
+                                       loss_scale(), count)
+                        apply_step(plan, step)  the inner update with the plan's lr (and Adam's
                                               betas, eps, decay), for this step only
+
+``step`` is the adapter's own inputs of the step (Keras: its gradients and variables; torch: the
+closure and the guard's loss), an argument from hook to hook: nothing is handed from one call to
+the next through the optimizer. ``scaling.plan`` replaces the run's one record
+(``hvd_scale.run``).
 
 ``tests/test_protocol.py`` runs every adapter (a toy numpy framework, torch, Keras on TensorFlow
 and on torch) through these hooks.
@@ -62,12 +69,14 @@ class FrameworkOptimizer(Protocol):
 
     scaling: Any  # core.Scaling
 
-    def reduced_statistics(self) -> tuple[Any, Any]:
-        """(statistics, finite) for the step, after the gradients' allreduce: statistics is
+    def reduced_statistics(self, step: Any) -> tuple[Any, Any, Any, Any]:
+        """(step, statistics, finite, count) after the gradients' allreduce: ``step`` as the
+        next hooks need it (Keras: the mean gradients); statistics is
         ``[s_0..s_{G-1}, c, q_0..q_{G-1}]`` (``hvd_scale.reduce``'s step layout) summed over
         workers, s_j the squared norms of each micro-batch's own gradient in group j, c the
         micro-batches, q_j = |g_bar|^2 of the averaged gradient; None when nothing is measured,
-        and then ``finite`` says whether the averaged gradient is finite."""
+        and then ``finite`` says whether the averaged gradient is finite and ``count`` is the
+        micro-batches counted over workers (None: every worker took k)."""
 
     def user_settings(self) -> Any:
         """A row of ``core.USER_SETTINGS`` per group: what the user's optimizer holds for this
@@ -80,7 +89,7 @@ class FrameworkOptimizer(Protocol):
         """``fn(*args)`` on the host with host values, its result handed back to the framework
         (torch: a call; Keras: a host call inside the traced step)."""
 
-    def apply_step(self, plan: Any, closure: Any = None) -> Any:
+    def apply_step(self, plan: Any, step: Any) -> Any:
         """The inner optimizer's update with the settings of ``plan`` (a row of ``core.PLAN``
         per group) for this step only, the user's values put back after; a factor of 0 is a
-        skipped step (nothing applied). ``closure``: torch's, passed to the inner step."""
+        skipped step (nothing applied). ``step``: what ``reduced_statistics`` handed on."""

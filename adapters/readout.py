@@ -23,7 +23,7 @@ class Readout:
     mu2 = property(lambda self: self.policy.estimator.mu2, doc="smoothed mu2")
     noise_scale = property(lambda self: self.policy.estimator.noise_scale, doc="sigma2 / mu2")
     efficiency = property(lambda self: self.policy.efficiency, doc="the applied gain over S")
-    last_learning_rate = property(lambda self: self.scaling.last_lr,
+    last_learning_rate = property(lambda self: self.scaling.run.last_lr,
                                   doc="lr the latest step applied: baseline lr x lr_factor")
 
     def metrics(self) -> dict[str, float]:

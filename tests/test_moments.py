@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hvd_scale.moments import EPS_CORRECTED, EPS_RAW, adam_step, bias_correction, moment_progress
-from hvd_scale.policies import AdaScaleAdam, make_policy
+from hvd_scale.policies import AdaScaleAdam
+from hvd_scale.spec import make_policy
 
 B1, B2, EPS, LR = 0.9, 0.98, 1e-6, 0.01
 
@@ -224,19 +225,20 @@ def test_adapter_settings_give_the_rule_by_hand_and_the_correction_between_steps
     for spec in ("adascale_adam",):
         scaling = Scaling(OneRank(), policy=spec, passes=8, scale=8, budget=None,
                           optimizer_name="Adam", framework="numpy", groups=1, measure=True)
-        policy, gains = scaling.policy, []
+        gains = []
         m = v = 0.0
         w = np.ones(5)
         for t, g in enumerate(grads, start=1):
             # Noise-only statistics: the gain climbs from 1 towards S once measured (step 21 on).
-            info = policy.step([8.0 * (1 + 0.1 * t)], [1.0], 8)
-            gains.append(info.gain)
-            s = scaling.adam_step(info, base_lr=LR, lr_factor=info.lr_factor, beta1=B1, beta2=B2,
-                                  eps=EPS, framework_step=t, eps_placement=EPS_CORRECTED)
-            m = s.beta1 * m + (1 - s.beta1) * g
-            v = s.beta2 * v + (1 - s.beta2) * g * g
-            f1, f2 = 1 - s.beta1 ** t, 1 - s.beta2 ** t
-            w = w - s.lr / f1 * m / (np.sqrt(v) / math.sqrt(f2) + s.eps)
+            before = scaling.run.policy.progress
+            (_, lr, beta1, beta2, eps, _), = scaling.plan(
+                [8.0 * (1 + 0.1 * t), 8.0, 1.0], True, [[LR, B1, B2, EPS, math.nan, float(t)]])
+            policy = scaling.policy
+            gains.append(policy.progress - before)  # tau advances by the step's gain
+            m = beta1 * m + (1 - beta1) * g
+            v = beta2 * v + (1 - beta2) * g * g
+            f1, f2 = 1 - beta1 ** t, 1 - beta2 ** t
+            w = w - lr / f1 * m / (np.sqrt(v) / math.sqrt(f2) + eps)
             assert policy.second_moment_correction(B2, t) == pytest.approx(1 - B2 ** policy.progress)
         results[spec] = w
         assert len(set(gains[21:])) > 5 and max(gains) > 2  # the gains vary: the test can fail

@@ -25,6 +25,12 @@ from hvd_scale.reduce import LocalReducer, pack_local
 LR = 0.1
 
 
+def account(scaling, statistics, base_lr):
+    """The host side of one step (``Scaling.plan``) with one group's lr: its lr factor."""
+    user = [[base_lr, math.nan, math.nan, math.nan, math.nan, scaling.run.policy.steps + 1]]
+    return float(scaling.plan(statistics, True, user)[0][0])
+
+
 class OneProcess:
     """A HorovodBinding for a single process."""
 
@@ -71,8 +77,8 @@ class ToyOptimizer:
         return np.array([self._mean @ self._mean])
 
     # the hooks of adapters/protocol.py
-    def reduced_statistics(self):
-        return np.concatenate([self.start_statistics(), self.mean_sqnorms()]), True
+    def reduced_statistics(self, step):
+        return step, np.concatenate([self.start_statistics(), self.mean_sqnorms()]), True, None
 
     def user_settings(self):
         return [[LR, math.nan, math.nan, math.nan, math.nan, self.scaling.policy.steps + 1]]
@@ -83,7 +89,7 @@ class ToyOptimizer:
     def on_host(self, fn, *args):
         return fn(*args)
 
-    def apply_step(self, plan, closure=None):
+    def apply_step(self, plan, step):
         (factor, lr, *_), = plan
         if factor:
             self.w = self.w - lr * self._mean
@@ -91,7 +97,7 @@ class ToyOptimizer:
         return factor
 
     def step(self):
-        return run_step(self)
+        return run_step(self, None)
 
     @property
     def policy(self):
@@ -195,9 +201,12 @@ def test_rank_0_says_what_runs_at_the_start(capsys, tmp_path):
                                        f"metrics in {tmp_path}\n")
     # One micro-gradient at S = 1 (#31 item 1): nothing is measured, and the line says so.
     one = Scaling(OneProcess(), policy="adascale", passes=1, scale=None, budget=None,
-                  optimizer_name="SGD", framework="toy", base_lrs=[LR], measure=True)
+                  optimizer_name="SGD", framework="toy", base_lrs=[LR])
     assert not one.measure
     assert "gain 1 (one micro-gradient a step at S = 1: nothing to measure)" in capsys.readouterr().err
+    # measure=True asked for them (#47 item 3: so that k or S can change later): taken.
+    assert Scaling(OneProcess(), policy="adascale", passes=1, scale=None, budget=None,
+                   optimizer_name="SGD", framework="toy", base_lrs=[LR], measure=True).measure
 
 
 def test_step_without_backward_says_what_to_call():
@@ -404,7 +413,7 @@ def test_an_lr_turned_bad_after_construction_is_refused_before_anything_counts(l
     stats = np.concatenate([opt.start_statistics(), opt.mean_sqnorms()])
     with pytest.raises(ValueError, match=rf"lr is {re.escape(repr(lr))} at step 1: the learning "
                                          r"rate must be a finite number >= 0"):
-        opt.scaling.step(stats, base_lr=lr)
+        account(opt.scaling, stats, lr)
     policy = opt.scaling.policy
     assert (policy.steps, policy.skipped, policy.progress) == (0, 0, 0.0)
     assert math.isnan(opt.scaling.last_lr)
@@ -413,7 +422,7 @@ def test_an_lr_turned_bad_after_construction_is_refused_before_anything_counts(l
     guarded = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
                       optimizer_name="SGD", framework="toy", guard=SharpnessGuard())
     guarded.guard.update(10.0, 0)
-    assert guarded.step(stats, base_lr=0.0) >= 1.0 and guarded.last_lr == 0.0
+    assert account(guarded, stats, 0.0) >= 1.0 and guarded.last_lr == 0.0
 
 
 def test_the_divergence_error_says_nothing_was_applied():
@@ -425,9 +434,9 @@ def test_the_divergence_error_says_nothing_was_applied():
                       optimizer_name="SGD", framework="toy")
     bad = [math.inf, 2.0, 1.0]
     for _ in range(DIVERGED_AFTER - 1):
-        assert scaling.step(bad, base_lr=LR) == 0.0
+        assert account(scaling, bad, LR) == 0.0
     with pytest.raises(FloatingPointError) as e:
-        scaling.step(bad, base_lr=LR)
+        account(scaling, bad, LR)
     message = str(e.value)
     assert "nan" not in message and "no step has been applied since the optimizer was built" in message
     assert f"{DIVERGED_AFTER} steps in a row had non-finite gradients" in message
@@ -438,13 +447,13 @@ def test_a_checkpoint_with_statistics_for_other_groups_is_refused_by_a_fresh_opt
     has statistics of its own (a fresh optimizer, the usual resume)."""
     two = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
                   optimizer_name="SGD", framework="toy", groups=2)
-    two.step([1.0, 2.0, 2.0, 0.5, 0.5], base_lr=LR)
+    two.plan([1.0, 2.0, 2.0, 0.5, 0.5], True, [[LR] + [math.nan] * 4 + [1.0]] * 2)
     fresh = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
                     optimizer_name="SGD", framework="toy", groups=1)
-    before = fresh.policy.state_dict()
+    before = fresh.state_dict()
     with pytest.raises(ValueError, match=r"statistics for 2 parameter group\(s\), this optimizer has 1"):
-        fresh.loaded_policy(two.policy.state_dict())
-    assert fresh.policy.state_dict() == before
+        fresh.restored(two.state_dict())
+    assert fresh.state_dict() == before
 
 
 @pytest.mark.parametrize("scale, passes, noise", [(1.0, 2, 1e-6), (4.0, 2, 1e-6)])
@@ -461,7 +470,7 @@ def test_adapt_never_takes_k_below_the_start(scale, passes, noise):
     # Rank 0's step times at k = 2: 10 ms a pass, no allreduce (one worker), 2 ms of update.
     scaling.clock.history.extend([(1, passes, 0.02, 0.0, 0.002, 0.01)] * 20)
     for step in range(1, 31):
-        scaling.step(stats, base_lr=LR)
+        account(scaling, stats, LR)
         k = scaling.adapted_passes()
         assert k == passes, (step, k)
         scaling.set_passes(k)
@@ -474,8 +483,8 @@ def test_a_resize_below_the_baseline_batch_is_refused_naming_the_cause():
     hvd = OneProcess(size=2)
     scaling = Scaling(hvd, policy="linear", passes=1, scale=1.0, budget=None,
                       optimizer_name="SGD", framework="toy", base_lrs=[LR], elastic=True)
-    scaling.step(None, base_lr=LR)
+    account(scaling, None, LR)
     hvd._size = 1
     with pytest.raises(ValueError, match=r"from 2 to 1 worker.*S from 1 to 0\.5.*at least 2 workers"):
-        scaling.step(None, base_lr=LR)
+        account(scaling, None, LR)
     assert scaling.policy.steps == 1 and scaling.policy.scale == 1.0

@@ -11,11 +11,12 @@ operation in ``hvd_scale.adapters.core``. What this module does:
   one rounding for the norms). |g_bar|^2 is taken from the averaged gradient, so a step costs one
   collective and one host call;
 * the step runs the shared sequence (``core.run_step``), its host part (``core.Scaling.plan``)
-  under TensorFlow through ``tf.numpy_function``. The engine's state is the optimizer variable
-  ``hvd_scale_state`` (``Policy.state_vector``), so ``model.save``, ``tf.train.Checkpoint`` and
-  ``broadcast_state`` carry it: each step's host part starts from the variable's value and hands
-  the new one back, and reading ``policy`` gives a policy built from the variable, changing
-  nothing (the Python policy holds only the spec and S);
+  under TensorFlow through ``tf.numpy_function``. The run's record is the optimizer variable
+  ``hvd_scale_state`` (``hvd_scale.run.RunState``'s vector, with its version: the policy's
+  state, S, k, the skips, the last lr), so ``model.save``, ``tf.train.Checkpoint``,
+  ``broadcast_state`` and elastic syncs carry all of it: each step's host part starts from the
+  variable's value and hands the new one back, and reading ``policy`` gives a view of it,
+  changing nothing;
 * the step's lr is ``lr(floor(tau)) x factor``: the inner optimizer sees this value for the one
   ``apply`` call and nothing is written to the user's lr variable or ``LearningRateSchedule``;
 * when the metrics are logged or k adapts, the step clock (``adapters.adapt.StepClock``) is
@@ -41,14 +42,14 @@ from hvd_scale.adapters.core import PLAN, USER_SETTINGS, Readout, Scaling, preco
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
 from hvd_scale.reduce import wire_copies, wire_sums
-from hvd_scale.state import PolicyState
+from hvd_scale.run import PASSES_INDEX, PROGRESS_INDEX, STEPS_INDEX, RunState
 
 from . import backends
 
 ALLREDUCE_NAME = "hvd_scale.step"
 GROUPS = 1  # all trainable variables share one lr in Keras: one parameter group
-_PROGRESS = Policy.PROGRESS_INDEX
-_STEPS = Policy.STEPS_INDEX
+_PROGRESS = PROGRESS_INDEX  # the run vector's entries the traced step reads
+_STEPS = STEPS_INDEX
 
 # Base-optimizer arguments that belong on the inner optimizer (as in LossScaleOptimizer).
 _INNER_ONLY = ("learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "clipvalue",
@@ -126,9 +127,10 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             every rank ("skip") or raises FloatingPointError ("raise"), as in the torch adapter.
         adapt: "goodput" to let the ranks choose k (up to ``max_passes``) every ``adapt_every``
             steps from rank 0's step timings and the gain at each k, as the torch adapter does.
-            k lives in the variable ``hvd_scale_passes``, which the traced step reads (no
-            retrace) and checkpoints keep; the choice is made eagerly between steps: the
-            callbacks do it under ``fit``, a custom loop calls ``adapt_passes()`` after each step.
+            k lives in the run's record (the variable ``hvd_scale_state``), which the traced step
+            reads (no retrace) and checkpoints keep; the choice is made eagerly between steps:
+            the callbacks do it under ``fit``, a custom loop calls ``adapt_passes()`` after each
+            step.
         name: the optimizer's name.
 
     Base-optimizer arguments (clipnorm, weight_decay, use_ema, ...) are set on the inner
@@ -169,13 +171,13 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                           budget=budget, optimizer_name=optimizer_name,
                           framework=f"keras/{backend.name}", groups=GROUPS, measure=measure,
                           log_dir=environment.log_dir(log_dir), log_every=environment.log_every(),
-                          loss_after_step=True, nonfinite=nonfinite,
+                          nonfinite=nonfinite,
                           base_lrs=base_lrs, agreed=agreed, elastic=environment.elastic(),
                           eps_placement=EPS_RAW, adapt=adapt, max_passes=max_passes,
                           adapt_every=adapt_every)
-        if scaling.policy.statistics == "preconditioned" and \
+        if scaling.rule.statistics == "preconditioned" and \
                 not all(hasattr(owner, a) for a in _ADAM_SLOTS):
-            raise ValueError(f"policy {scaling.policy.name!r} measures Adam-preconditioned "
+            raise ValueError(f"policy {scaling.rule.name!r} measures Adam-preconditioned "
                              f"gradients, but {optimizer_name} has no second moment (beta_2, epsilon)")
 
         super().__init__(learning_rate=0.0, name=name)
@@ -190,22 +192,14 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         # The graph's shape: k > 1 or a k that may change accumulates (in variables).
         self._accumulating = backward_passes_per_step > 1 or adapt is not None
         self._adapted_at = None  # the steps after which adapt_passes() last ran
-        # The step being traced: (local or mean grads, variables, s, c). Set past Keras's
-        # attribute tracking, which would add the model's variables to the optimizer's.
-        object.__setattr__(self, "_traced", None)
 
     # -- Keras optimizer protocol ----------------------------------------------------------------
     def build(self, var_list):
-        initial = self.scaling.policy.state_vector(GROUPS)
+        initial = self.scaling.run.to_vector(GROUPS)
         self._state = self.add_variable(
             shape=initial.shape, dtype="float64", aggregation="none", name="hvd_scale_state",
             initializer=lambda shape, dtype=None: ops.convert_to_tensor(initial, "float64"))
         self._accumulators = []
-        if self.scaling.adapt is not None:
-            passes = self.scaling.passes
-            self._passes = self.add_variable(
-                shape=(), dtype="int32", aggregation="none", name="hvd_scale_passes",
-                initializer=lambda shape, dtype=None: ops.convert_to_tensor(passes, "int32"))
         if self._accumulating:
             self._micro_steps = self.add_variable(shape=(), dtype="int32", aggregation="none",
                                                   name="hvd_scale_micro_steps")
@@ -287,57 +281,63 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         ops.cond(self._micro_steps.value >= self._passes_now(), step, lambda: None)
 
     def _passes_now(self):
-        """k for the step being traced: the variable with adapt (it changes between steps)."""
-        return self._passes.value if self.scaling.adapt is not None else self.scaling.passes
+        """k for the step being traced: the record's with adapt (it changes between steps)."""
+        if self.scaling.adapt is None:
+            return self.scaling.passes
+        return ops.cast(self._state.value[PASSES_INDEX], "int32")
 
     # -- adapt="goodput" and k ---------------------------------------------------------------------
     @property
     def backward_passes_per_step(self) -> int:
         """k, the apply calls per optimizer step now (adapt="goodput" and ``set_passes`` change it)."""
-        self._follow_passes()
+        self._follow_variable()
         return self.scaling.passes
 
-    def _follow_passes(self, passes: int | None = None) -> None:
-        """The host's k (and S with it) follows ``hvd_scale_passes`` (``passes``: its value, in
-        the host call; else read eagerly): a checkpoint or an elastic sync restores the variable."""
-        if self.scaling.adapt is None or not self.built:
-            return
-        if passes is None:
-            if not self._backend.eager():
-                return
-            passes = int(ops.convert_to_numpy(self._passes.value))
-        if passes != self.scaling.passes:
-            self.scaling.set_passes(passes)
+    def _follow_variable(self) -> None:
+        """Eagerly: the host's record takes the variable's (a checkpoint, a broadcast or an
+        elastic sync may have restored it; ``Scaling.restored``: this job's workers and S per
+        micro-batch, the saved k where k adapts)."""
+        if self.built and self._backend.eager():
+            self.scaling.run = self.scaling.restored(
+                RunState.from_vector(ops.convert_to_numpy(self._state.value), GROUPS))
+
+    def _mid_step(self) -> bool:
+        return self._accumulating and self.built and \
+            bool(int(ops.convert_to_numpy(self._micro_steps.value)))
 
     def set_passes(self, passes: int) -> None:
         """Take k apply calls per step from the next step on: eagerly, between steps, on every rank
         at the same step (``adapt_passes`` does). S follows in proportion. Needs adapt="goodput"
-        (k is then a variable the traced step reads)."""
+        (k is then in the record the traced step reads)."""
         k = check_passes(passes)
         if self.scaling.adapt is None:
             raise ValueError(f"set_passes({k}): k is fixed in the traced step of an optimizer "
                              "built without adapt='goodput' (build it with adapt='goodput', "
                              "max_passes=K to change k while training)")
-        if k > self.scaling.max_passes:
-            raise ValueError(f"set_passes({k}): above max_passes={self.scaling.max_passes}")
         if not self._backend.eager():
             raise RuntimeError("set_passes() runs eagerly, between steps, not inside a tf.function")
-        self._follow_passes()
-        if self.built and int(ops.convert_to_numpy(self._micro_steps.value)):
+        self._follow_variable()
+        if k == self.scaling.passes:
+            return
+        if self._mid_step():
             raise RuntimeError("set_passes() between apply calls of a step: call it after the "
                                "step's last apply and before the next step's first")
-        self.scaling.set_passes(k)
+        run = self.scaling.relaid(k)  # refused here, before anything changes, if it cannot run
         if self.built:
-            self._passes.assign(k)
+            self._state.assign(ops.convert_to_tensor(run.to_vector(GROUPS), "float64"))
+        self.scaling.run = run
 
     def adapt_passes(self) -> int:
         """adapt="goodput": call after each optimizer step, eagerly, on every rank (under ``fit``
-        the callbacks do): every ``adapt_every`` steps the ranks take rank 0's choice of k (one
+        the callbacks do, after every batch: mid-step, between the apply calls of k >= 2, it
+        does nothing): every ``adapt_every`` steps the ranks take rank 0's choice of k (one
         broadcast). Once per step; returns k."""
-        steps = self.scaling.policy.steps
-        if self.scaling.adapt is not None and steps != self._adapted_at:
+        if self.scaling.adapt is None or self._mid_step():
+            return self.scaling.passes
+        self._follow_variable()
+        steps = self.scaling.run.policy.steps
+        if steps != self._adapted_at:
             self._adapted_at = steps
-            self._follow_passes()
             self.set_passes(self.scaling.adapted_passes())
         return self.scaling.passes
 
@@ -356,20 +356,17 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     # -- the hooks of adapters/protocol.py ------------------------------------------------------
     def _step(self, local_grads, variables, local_sqnorm, count):
         """One optimizer step from this worker's summed micro-gradients and statistics."""
-        object.__setattr__(self, "_traced", (local_grads, variables, local_sqnorm, count))
-        try:
-            run_step(self)
-        finally:
-            object.__setattr__(self, "_traced", None)
+        run_step(self, (local_grads, variables, local_sqnorm, count))
 
-    def reduced_statistics(self):
+    def reduced_statistics(self, step):
         """One grouped allreduce (op=Average) of the gradients and, when measured, [s, c] in their
         dtype (so that it joins their group); then [s, c, q], q = |g_bar|^2 of the mean
         micro-gradient, or None with the averaged gradient's finiteness. In float32 s could
         overflow (from 3.4e38 on: |g| ~ 1.8e19, finite gradients) or lose its digits (below
         1.2e-38: a loss scaled far down): it travels three times (``hvd_scale.reduce``: the
-        wire), and the copy that fits is taken."""
-        local_grads, variables, local_sqnorm, count = self._traced
+        wire), and the copy that fits is taken. ``step``: (local gradients, variables, s, c),
+        handed on as (mean gradients, variables)."""
+        local_grads, variables, local_sqnorm, count = step
         tensors = list(local_grads)
         measure = self.scaling.measure
         if measure:
@@ -385,16 +382,17 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         mean = reduced[:len(local_grads)]
         if self._accumulating:  # the mean micro-gradient
             mean = [g / ops.cast(self._passes_now(), g.dtype) for g in mean]
-        object.__setattr__(self, "_traced", (mean, variables, None, None))
+        step = (mean, variables)
         if not measure:
             # One fused read per tensor, as the statistics' (an isfinite and an all per tensor
             # cost twice the ops): the squared norm is finite when every element is (a square
             # overflowing float32 is skipped too, as a measured step's statistics would be).
-            return None, ops.isfinite(self._backend.sum_of_squares(mean))
+            return step, None, ops.isfinite(self._backend.sum_of_squares(mean)), None
         summed = ops.cast(reduced[-1], "float64") * self._backend.world_size()
         plain, wide, narrow, count = summed[:1], summed[1:2], summed[2:3], summed[3:]
         q = ops.reshape(self._sqnorm_of(mean, variables), (1,))
-        return ops.concatenate([wire_sums(plain, wide, narrow, ops), count, q]), ops.convert_to_tensor(True)
+        return (step, ops.concatenate([wire_sums(plain, wide, narrow, ops), count, q]),
+                ops.convert_to_tensor(True), None)
 
     def user_settings(self):
         """[[lr(floor(tau)), beta_1, beta_2, epsilon, weight decay, t]] (``core.USER_SETTINGS``;
@@ -418,44 +416,41 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         return ops.convert_to_tensor(1.0 if scale is None else scale, "float64")
 
     def on_host(self, fn, *args):
-        """``fn(statistics, finite, user_settings, loss_scale)`` on the host (a host call inside
-        a traced step), starting from the state variable's value and writing the new one back:
-        the Python policy never runs ahead of the variable."""
-        statistics, finite, user_settings, loss_scale = args
+        """``fn(statistics, finite, user_settings, loss_scale, count)`` on the host (a host call
+        inside a traced step), starting from the record variable's value and writing the new one
+        back: the host never runs ahead of the variable. (Keras takes no short step: count
+        None.)"""
+        statistics, finite, user_settings, loss_scale, _ = args
         measured = statistics is not None
         if not measured:
             statistics = ops.zeros((3,), "float64")
         # A method, not a function defined here: TensorFlow's autograph rewrites functions defined
         # inside the traced step, and the rewritten one would pass every call it makes, every
         # step, through autograph's call wrapper.
-        passes = [] if self.scaling.adapt is None else [self._passes.value]
         new_state, plan = self._backend.host_call(
             functools.partial(self._host_step, fn, measured),
-            [self._state.value, statistics, finite, user_settings, loss_scale, *passes],
+            [self._state.value, statistics, finite, user_settings, loss_scale],
             name="hvd_scale_policy_step")
         self._state.assign(ops.reshape(new_state, self._state.shape))
         return ops.reshape(plan, (GROUPS, len(PLAN)))
 
-    def _host_step(self, fn, measured, state, statistics, finite, user_settings, loss_scale,
-                   *passes):
-        """The host side of ``on_host``, in numpy: the policy from the state variable (and k
-        from ``hvd_scale_passes`` with adapt), ``fn``, and the new state with the plan."""
+    def _host_step(self, fn, measured, state, statistics, finite, user_settings, loss_scale):
+        """The host side of ``on_host``, in numpy: the record from the variable, ``fn``, and the
+        new record's vector with the plan."""
         self.scaling.clock.waited()  # the allreduce it depends on is over
-        policy = self.scaling.policy
-        policy.state = PolicyState.from_vector(state, GROUPS)
-        if passes:
-            self._follow_passes(int(passes[0]))
-            self._check_adapted(policy.steps)
+        self.scaling.run = self.scaling.restored(RunState.from_vector(state, GROUPS))
+        if self.scaling.adapt is not None:
+            self._check_adapted(self.scaling.run.policy.steps)
         plan = fn(statistics if measured else None, bool(finite), user_settings, float(loss_scale))
-        return policy.state.to_vector(GROUPS), np.asarray(plan, dtype=np.float64)
+        return self.scaling.run.to_vector(GROUPS), np.asarray(plan, dtype=np.float64)
 
-    def apply_step(self, plan, closure=None):
+    def apply_step(self, plan, step):
         """inner.apply with the plan's lr (and, for adascale_adam, the step's beta_1, beta_2,
         epsilon and weight decay: ``hvd_scale.moments``); the user's attributes are put back. A
         factor of 0 applies nothing (a LossScaleOptimizer still sees the step, with lr 0)."""
-        grads, variables, _, _ = self._traced
+        grads, variables = step
         factor, lr, adam = plan[0, 0], plan[0, 1], None
-        if self.scaling.policy.moments_in_progress:  # the same on every rank: fixed by the spec
+        if self.scaling.rule.moments_in_progress:  # the same on every rank: fixed by the spec
             dtype = keras.backend.standardize_dtype(variables[0].dtype)
             adam = [ops.cast(plan[0, i], dtype) for i in range(2, 6)]
         if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
@@ -512,20 +507,20 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
 
     def _precondition(self, grads, variables):
         """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
-        if self.scaling.policy.statistics != "preconditioned":
+        if self.scaling.rule.statistics != "preconditioned":
             return grads
         owner = _lr_owner(self.inner_optimizer)
         t = ops.cast(owner.iterations, "float32")
         # 1 - beta_2 ** t; with horizons in progress the exponents applied add up to tau (plus
         # any update the policy did not account: hvd_scale.moments.moment_progress).
         exponent = t
-        if self.scaling.policy.moments_in_progress:
+        if self.scaling.rule.moments_in_progress:
             state = ops.cast(self._state.value, "float32")
             exponent = moment_progress(state[_PROGRESS], state[_STEPS], t, maximum=ops.maximum)
         bias_correction2 = bias_correction(ops.cast(owner.beta_2, "float32"), exponent)
         velocities = getattr(owner, "_velocities", None)
         if velocities is None:
-            raise ValueError(f"policy {self.scaling.policy.name!r} needs the second moment of "
+            raise ValueError(f"policy {self.scaling.rule.name!r} needs the second moment of "
                              f"{type(owner).__name__}, which keeps no `_velocities`")
         out = []
         for g, v in zip(grads, variables):
@@ -543,14 +538,10 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     # -- the engine's state in a variable -----------------------------------------------------------
     @property
     def policy(self) -> Policy:
-        """The engine's policy as ``hvd_scale_state`` holds it (read it eagerly): a new object
-        each read, so reading changes nothing; before the first build, the initial policy."""
-        self._follow_passes()
-        policy = self.scaling.policy
-        if self.built and self._backend.eager():
-            return policy.with_state(PolicyState.from_vector(
-                ops.convert_to_numpy(self._state.value), GROUPS))
-        return policy.with_state(policy.state)
+        """The engine's policy at the record ``hvd_scale_state`` holds (read it eagerly): a new
+        object each read, so reading changes nothing; before the first build, the initial one."""
+        self._follow_variable()
+        return self.scaling.policy
 
     # -- forwarded to the inner optimizer ---------------------------------------------------------
     @property
@@ -598,7 +589,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         # Constructor arguments only; the policy as its resolved spec (not $HVD_SCALE_POLICY).
         return {"name": self.name,
                 "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-                "policy": self.scaling.policy.spec, **self._config}
+                "policy": self.scaling.rule.spec, **self._config}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -608,7 +599,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         return cls(inner, **config)
 
     def __repr__(self) -> str:
-        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.scaling.policy!r})"
+        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.scaling.rule.spec!r})"
 
 
 def broadcast_state(model, optimizer=None, root_rank: int = 0) -> None:

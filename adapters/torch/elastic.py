@@ -10,7 +10,7 @@ from .optimizer import DistributedOptimizer
 def _elastic_handler():
     """A ``hvd.elastic.TorchState`` handler for this optimizer, registered ahead of Horovod's own
     (whose broadcast expects a flat torch state_dict): commit/restore the nested state, and on a
-    sync broadcast it from rank 0 (and, with adapt='goodput', the k in use). S follows the new world size at the next step (see
+    sync broadcast it from rank 0 (the run's record, k included). S follows the new world size at the next step (see
     ``Scaling.follow_world_size``), also after a reset that skips the sync (workers only removed)."""
     from horovod.torch.elastic import state as elastic_state
 
@@ -18,10 +18,7 @@ def _elastic_handler():
         def sync(self):
             opt = self.value
             hvd.broadcast_optimizer_state(opt._hvd_opt, root_rank=0)
-            opt.scaling.broadcast(0)
-            if opt.scaling.adapt is not None:  # a joining worker takes the k in use (adapt)
-                opt.set_passes(hvd.broadcast_object(opt.backward_passes_per_step, root_rank=0,
-                                                    name="hvd_scale.passes_sync"))
+            opt.sync_run(0)  # the whole record: a joining worker takes tau, k, the estimates
 
     registry = elastic_state.get_handler_registry()
     if not any(cls is DistributedOptimizer for cls, _ in registry):

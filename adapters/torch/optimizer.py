@@ -34,6 +34,7 @@ import torch
 from hvd_scale.adapters import environment
 from hvd_scale.adapters.adapt import ADAPT_EVERY, check_passes
 from hvd_scale.adapters.core import USER_SETTINGS, Readout, Scaling, precondition, run_step
+from hvd_scale.run import RunState
 from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
@@ -172,15 +173,24 @@ class _StepState:
     bucket_elements: int = 0
     stats_handle: Any = None  # the statistics allreduce in flight (one process: the sums)
     pending: torch.Tensor | None = None  # [s..., c, q...] after synchronize, until step()
+    count: int | None = None  # unmeasured: the step's micro-gradients, after synchronize
     synchronized: bool = False  # synchronize() ran for this step
-    guard_loss: Any = None  # step(guard_loss=...): the lr guard's loss function
+    sent: int = 0  # unmeasured, with Horovod's hooks: gradients handed to Horovod this step
 
     def counted(self) -> None:
         """The norms and counts went into the statistics: the next pass starts from zero."""
         for group_norms in self.norms:
             group_norms.clear()
         self.fired = [0] * len(self.fired)
-        self.fired_total = self.passes_started = 0
+        self.fired_total = self.passes_started = self.sent = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One ``step()``'s own inputs, handed from hook to hook (``core.run_step``)."""
+
+    closure: Any = None
+    guard_loss: Any = None  # the lr guard's loss function (``step(guard_loss=...)``)
 
 
 class DistributedOptimizer(Readout, torch.optim.Optimizer):
@@ -253,7 +263,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                                max_passes=max_passes, adapt_every=adapt_every)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
-        self._measure = self.scaling.measure
+        self._measure = self.scaling.measure  # fixed for the optimizer's life (its hooks)
         self._op = op
         # Horovod's factors for the gradients (hvd.DistributedOptimizer's): the statistics match.
         predivide = horovod_options.get("gradient_predivide_factor", 1.0)
@@ -295,12 +305,20 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         # are their own sum (through Horovod they would wait a cycle of its thread every step).
         self._alone = hvd.size() == 1 and not self._hvd_opt._requires_update
         self._group_of = {p: gi for gi, p in trained}
+        self._send = self._hvd_opt._allreduce_grad_async
         if self._bucketed:
-            self._send = self._hvd_opt._allreduce_grad_async
             self._hvd_opt._allreduce_grad_async = self._send_in_buckets  # Horovod's hook calls it
         elif self._measure:
             for index, (gi, p) in enumerate(trained):
                 self._hooks.append(p.register_hook(self._make_norm_hook(gi, p, index)))
+        elif self._hvd_opt._requires_update:
+            # Unmeasured, the micro-gradients are still counted (a short step's S and mean): from
+            # Horovod's own counters, the count sent with the step's last gradient.
+            self._hvd_opt._allreduce_grad_async = self._send_counting
+        elif not self._alone or adapt is not None or backward_passes_per_step > 1:
+            # One process, no Horovod hooks: a hook per parameter counts the passes.
+            for index, (gi, p) in enumerate(trained):
+                self._hooks.append(p.register_hook(self._make_count_hook(index)))
         self._hooked = len(self._hooks)
         self._step = self._new_step()
 
@@ -320,7 +338,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
 
     @property
     def policy(self) -> Policy:
-        """The engine's policy (steps, tau, estimates)."""
+        """The engine's policy at the run's record (steps, tau, estimates): a view for reading."""
         return self.scaling.policy
 
     # -- statistics -----------------------------------------------------------------------------
@@ -329,8 +347,45 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
     # nested backward of the first segment, and would end the pass too early. Each hooked
     # parameter gets one gradient per pass that reaches it, so this worker's passes are the
     # largest count (parameters without a gradient in some pass count less).
+    def _make_count_hook(self, index: int):
+        """Unmeasured, one process: count this parameter's gradients (the passes of a step)."""
+        def hook(grad: torch.Tensor) -> None:
+            if not self._hooks_paused:
+                self._step.fired[index] += 1
+        return hook
+
+    def _send_counting(self, p: torch.Tensor):
+        """Unmeasured, with Horovod's hooks: hand p's gradient to Horovod; before the step's
+        last one, the micro-gradient count goes out (so it joins their allreduce)."""
+        step = self._step
+        if not self._sending_rest:
+            step.sent += 1
+            if step.sent == self._trained and step.stats_handle is None:
+                step.stats_handle = self._start_count(self.backward_passes_per_step)
+        return self._send(p)
+
+    def _local_passes(self) -> int:
+        """Unmeasured: the passes this worker took this step (Horovod's counters or the count
+        hooks: the largest count over parameters; a short step takes fewer than k)."""
+        if self._hooked:
+            return max(self._step.fired, default=0)
+        k, delay = self.backward_passes_per_step, self._hvd_opt._allreduce_delay
+        if k == 1:
+            return 1 if self._step.sent or any(p.grad is not None for p in self._params()) else 0
+        return max((k - delay[p] for p in self._hvd_opt._requires_update), default=0)
+
+    def _start_count(self, passes: int):
+        """[c] over workers, reduced as the gradients are (``start_statistics``'s wire)."""
+        count = torch.tensor([float(passes)], dtype=self._stats_dtype, device=self._device)
+        if self._alone:
+            return count
+        return hvd.allreduce_async_(count, op=self._op, name=STATS_NAME + ".count",
+                                    prescale_factor=self._factors[0],
+                                    postscale_factor=self._factors[1],
+                                    process_set=self._process_set)
+
     def _make_norm_hook(self, group_index: int, p: torch.Tensor, index: int):
-        precondition = self.policy.statistics == "preconditioned"
+        precondition = self.scaling.rule.statistics == "preconditioned"
 
         def hook(grad: torch.Tensor) -> None:
             if self._hooks_paused:
@@ -392,7 +447,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         gradients allow it (dense, one dtype); adascale_adam's preconditioned gradients one at a
         time (one alive at a time, not the whole model's)."""
         grads = [p.grad for p in params]
-        if self.policy.statistics == "preconditioned":
+        if self.scaling.rule.statistics == "preconditioned":
             return torch.cat([self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
                               for p, g in zip(params, grads)])
         return norms(grads)
@@ -504,15 +559,18 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self._check_no_parameter_unfrozen()
         self.scaling.clock.waiting()
         step = self._step
-        if step.pending is not None:
+        if step.pending is not None or step.count is not None:
             # The previous step's statistics were never used: its step was skipped (AMP overflow).
             self.scaling.skip()
-            step.pending = None
+            step.pending = step.count = None
         self._flush_bucket()  # gradients still waiting in a bucket (some got none this step)
         handle, step.stats_handle = step.stats_handle, None
         if self._measure and handle is None:
             # Fewer gradients than every parameter x k passes: send the statistics now.
             handle = self.start_statistics()
+        counting = not self._measure and (self._hooked or self._hvd_opt._requires_update)
+        if counting and handle is None:  # a short step, or one process: the count now
+            handle = self._start_count(self._local_passes())
         self._sending_rest = True
         try:
             self._hvd_opt.synchronize()
@@ -520,6 +578,14 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
             self._sending_rest = False
         if handle is None:
             self._to_mean_gradient(None)
+        elif counting:
+            reduced = (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).double()
+            if self._op == hvd.Average:
+                reduced.mul_(self.scaling.hvd.size())
+            count = reduced.round()
+            step.counted()
+            self._to_mean_gradient(count[0])
+            step.count = int(count.item())
         else:
             summed = self._summed(handle if torch.is_tensor(handle) else hvd.synchronize(handle))
             self._to_mean_gradient(summed[len(self.param_groups)])
@@ -561,8 +627,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         ``guard_loss``: with a ``guard``, a function returning this worker's loss on its current
         batch (a fresh forward pass; no backward), called on the guard's steps only.
         """
-        self._step.guard_loss = guard_loss
-        result = run_step(self, closure)
+        result = run_step(self, _Step(closure, guard_loss))
         self.scaling.clock.ended()
         self.set_passes(self.scaling.adapted_passes())
         return result
@@ -574,34 +639,49 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         k = check_passes(passes)
         if k == self.backward_passes_per_step:
             return
-        if self._step.fired_total or self._hvd_opt._handles:
+        if self._step.fired_total or any(self._step.fired) or self._hvd_opt._handles:
             raise RuntimeError("set_passes() between backward passes of a step: call it after "
                                "step() and before the next step's first backward pass")
         if k > 1 and self._bucketed:
             raise ValueError(f"set_passes({k}): this optimizer was built for one pass per step "
                              "with its norms taken in Horovod's buckets; build it with "
                              "backward_passes_per_step > 1 or adapt='goodput' to change k")
-        self.scaling.set_passes(k)
+        self.scaling.set_passes(k)  # the run's record at the new k: refused there, if it cannot
+        if not (self._measure or self._hooked or self._hvd_opt._requires_update):
+            # One process, unmeasured, built at k = 1: from now on a short step can happen, and
+            # its passes are counted.
+            trained = [p for p in self._params() if p.requires_grad]
+            self._hooks = [p.register_hook(self._make_count_hook(i)) for i, p in enumerate(trained)]
+            self._hooked = len(self._hooks)
+            self._step = self._new_step()
+        self._follow_passes()
+
+    def _follow_passes(self) -> None:
+        """Horovod's accumulation and this optimizer's counts follow the record's k."""
+        k = self.scaling.passes
         self._hvd_opt.set_backward_passes_per_step(k)
         self.backward_passes_per_step = k
         self._all_gradients = self._trained * k
 
     # -- the hooks of adapters/protocol.py ---------------------------------------------------------
-    def reduced_statistics(self):
-        """(statistics, finite): this step's [s..., c, q...] (a device tensor) after the gradients'
-        allreduce, or None unmeasured, with the averaged gradient's finiteness then (True under a
-        GradScaler, which checks it itself). The guard's sharpness is measured here when due."""
-        step = self._step
-        if not (step.synchronized or self._skip_sync):
+    def reduced_statistics(self, step: _Step):
+        """(step, statistics, finite, count): this step's [s..., c, q...] (a device tensor)
+        after the gradients' allreduce, or None unmeasured, with the averaged gradient's
+        finiteness then (True under a GradScaler, which checks it itself) and the
+        micro-gradients counted. The guard's sharpness is measured here when due."""
+        gathered = self._step
+        if not (gathered.synchronized or self._skip_sync):
             self.synchronize()
-        step.synchronized = False
-        statistics, step.pending = step.pending, None  # taken: a step that raises drops it
+        gathered.synchronized = False
+        # Taken: a step that raises drops them.
+        statistics, gathered.pending = gathered.pending, None
+        count, gathered.count = gathered.count, None
         self.scaling.agree_on_state()  # once: a checkpoint loaded on some ranks only
         if self.scaling.guard_due():
             self._measure_sharpness(step.guard_loss)
         if statistics is not None:
-            return statistics, True
-        return None, self._grad_scaler is not None or self._grads_finite()
+            return step, statistics, True, None
+        return step, None, self._grad_scaler is not None or self._grads_finite(), count
 
     def user_settings(self) -> list[list[float]]:
         """Each group's ``core.USER_SETTINGS``: torch corrects Adam's bias with each parameter's
@@ -628,7 +708,7 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         """Eager: the statistics come to the host here, the step's one transfer."""
         return fn(*(a.tolist() if torch.is_tensor(a) else a for a in args))
 
-    def apply_step(self, plan, closure=None):
+    def apply_step(self, plan, step: _Step):
         """The inner step with each group's lr (and, for adascale_adam, betas, eps and decoupled
         decay: ``hvd_scale.moments``) from ``plan``; the user's values are put back after, so
         torch lr schedulers keep working on the baseline lr. A factor of 0: nothing applied."""
@@ -645,14 +725,14 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                 if not math.isnan(decay):
                     group["weight_decay"] = decay
             with self._hvd_opt.skip_synchronize():
-                return self._hvd_opt.step(closure)
+                return self._hvd_opt.step(step.closure)
         finally:
             for group, user in zip(self.param_groups, saved):
                 group.update(user)
 
     def _measure_sharpness(self, guard_loss) -> None:
         """The guard's estimate: this worker's top Hessian eigenvalue, averaged over workers."""
-        guard, step = self.scaling.guard, self.policy.steps
+        guard, step = self.scaling.guard, self.scaling.run.policy.steps
         if not callable(guard_loss):
             raise ValueError(f"hvd_scale: the lr guard measures the sharpness before step "
                              f"{step + 1}: call opt.step(guard_loss=fn) with fn() returning this "
@@ -693,43 +773,38 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         torch.optim.Optimizer.zero_grad(self._hvd_opt, set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        """``{"inner": the wrapped optimizer's state_dict, "hvd_scale": the policy's}``, and
-        ``"guard"``: the guard's latest estimate, with a guard."""
-        state = {"inner": self._hvd_opt.state_dict(), "hvd_scale": self.policy.state_dict()}
+        """``{"inner": the wrapped optimizer's state_dict, "hvd_scale": the run's record}``
+        (``hvd_scale.run``: the policy's state, S, k, the workers, ...), and ``"guard"``: the
+        guard's latest estimate, with a guard."""
+        state = {"inner": self._hvd_opt.state_dict(), "hvd_scale": self.scaling.state_dict()}
         if self.scaling.guard is not None:
             state["guard"] = self.scaling.guard.state_dict()
-        if self.scaling.adapt is not None:
-            state["passes"] = self.backward_passes_per_step
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore both parts; everything is validated before anything changes (here and in
         ``state_dict``): the groups and their parameters' count, each parameter's state tensors
-        against its shape (``_check_inner_state``), the policy part (spec, version, groups).
+        against its shape (``_check_inner_state``), the run's record (spec, version, groups; the
+        saved k under adapt="goodput", within max_passes; ``hvd_scale.run.restored``).
 
         Load on every rank, or on rank 0 followed by ``broadcast_state`` on every rank: a rank
-        that did not load keeps its own steps, tau and estimates (detected at the first step:
+        that did not load keeps its own record (detected at the first step:
         ``Scaling.agree_on_state``; a later load on some ranks only is not)."""
         if not isinstance(state_dict, dict) or not {"inner", "hvd_scale"} <= set(state_dict) \
                 or not set(state_dict) <= {"inner", "hvd_scale", "guard", "passes"}:
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"expected a state_dict with keys ['hvd_scale', 'inner'] and "
-                             f"optionally 'guard' and 'passes' (from DistributedOptimizer.state_dict()), "
+                             f"optionally 'guard' (from DistributedOptimizer.state_dict()), "
                              f"got {got}")
-        passes = state_dict.get("passes", self.backward_passes_per_step)
-        if passes != self.backward_passes_per_step and (
-                self.scaling.adapt is None or not 1 <= check_passes(passes) <= self.scaling.max_passes):
-            raise ValueError(f"checkpoint was saved at {passes!r} passes per step (adapt='goodput'); "
-                             f"this optimizer takes {self.backward_passes_per_step}"
-                             + ("" if self.scaling.adapt is None else
-                                f" and at most max_passes={self.scaling.max_passes}")
-                             + ": build it with adapt='goodput' and a max_passes that allows it")
         inner_groups = state_dict["inner"]["param_groups"]
         if len(inner_groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(inner_groups)} parameter group(s), this "
                              f"optimizer has {len(self.param_groups)}")
         self._check_inner_state(state_dict["inner"])
-        policy = self.scaling.loaded_policy(state_dict["hvd_scale"])
+        saved = RunState.from_dict(state_dict["hvd_scale"], self.scaling.setup)
+        if "passes" in state_dict:  # a version-5 checkpoint saved k beside the policy's state
+            saved = dataclasses.replace(saved, passes=check_passes(state_dict["passes"]))
+        run = self.scaling.restored(saved)
         guard = self.scaling.guard
         if guard is not None and state_dict.get("guard") is not None:
             restored = SharpnessGuard()
@@ -737,14 +812,14 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
         self._hvd_opt.load_state_dict(state_dict["inner"])
         # torch's load_state_dict builds new group dicts and a new state: share them again.
         self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
-        self.scaling.policy = policy
         if guard is not None and state_dict.get("guard") is not None:
             guard.load_state_dict(state_dict["guard"])
         handle = self._step.stats_handle
         if handle is not None and not torch.is_tensor(handle):  # in flight: finish, then drop
             hvd.synchronize(handle)
         self._step = self._new_step()
-        self.set_passes(passes)  # the policy was built at this optimizer's S: follow the saved k
+        self.scaling.run = run
+        self._follow_passes()  # the saved k, where k adapts
 
     def _check_inner_state(self, inner: dict) -> None:
         """The inner optimizer's checkpoint must be of this model: torch loads state tensors of
@@ -773,12 +848,21 @@ class DistributedOptimizer(Readout, torch.optim.Optimizer):
                             f"{name!r} of shape {tuple(value.shape)}, this optimizer's parameter "
                             f"has shape {tuple(p.shape)}: the checkpoint is of another model")
 
+    def sync_run(self, root_rank: int = 0) -> None:
+        """Take ``root_rank``'s run record (``broadcast_state``, an elastic sync), k included."""
+        if self._step.fired_total or any(self._step.fired) or self._hvd_opt._handles:
+            raise RuntimeError("broadcast_state() between backward passes of a step: call it "
+                               "before the first backward pass or after step()")
+        self.scaling.broadcast(root_rank)
+        self._follow_passes()
+
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"
 
 
 def broadcast_state(model: torch.nn.Module, optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
-    """Broadcast the model, the optimizer state and the policy's state from root_rank."""
+    """Broadcast the model, the optimizer state and the run's record (the policy's state and
+    k under adapt="goodput") from root_rank."""
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
     hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
-    optimizer.scaling.broadcast(root_rank)
+    optimizer.sync_run(root_rank)

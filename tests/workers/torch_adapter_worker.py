@@ -376,9 +376,10 @@ def case_adam_horizons():
             opt.zero_grad()
             for j in range(k):
                 loss_fn(model, *micro_batch(hvd.rank(), step, j)).backward()
+            before = opt.progress
             opt.step()
-            info = opt.scaling.last_step
-            r, tau = info.gain, info.progress
+            tau = opt.progress
+            r = tau - before  # the step's gain: tau advances by it
             # The gain the betas and eps follow, and the bias correction's exponent.
             horizon, exponent = r, tau + offset
             grads = []
