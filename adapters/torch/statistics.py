@@ -1,0 +1,270 @@
+"""Where the torch optimizer gathers a step's statistics: the norm of each backward pass's own
+gradient (in Horovod's buckets at k = 1, by a tensor hook per parameter with accumulation), the
+micro-gradient count (also unmeasured: a short step's S and mean), their one allreduce beside the
+gradients', and the mean micro-gradient in p.grad. A mixin of ``DistributedOptimizer``
+(``optimizer.py``), whose record of the step in progress is ``_StepState``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from hvd_scale.adapters.core import precondition
+from hvd_scale.reduce import wire_copies, wire_sums
+
+from .norms import _vector, all_finite, cpu_norm, norms
+
+STATS_NAME = "hvd_scale.stats"
+# Without accumulation the norms are taken in buckets of gradients as Horovod sends them: a
+# bucket goes out at this many tensors or elements (a bounded delay of the first allreduces).
+# Each bucket costs a dozen torch ops whatever its size, so the tensor bound is loose (it was 16:
+# many small tensors paid for it, benchmarks/README B2) and the elements bound splits large models.
+BUCKET_TENSORS = 128
+BUCKET_ELEMENTS = 1 << 18
+
+
+@dataclasses.dataclass
+class _StepState:
+    """What one optimizer step gathers between its first backward pass and ``step()``, in one
+    record: made in one place (``DistributedOptimizer._new_step``), at construction and on load."""
+
+    norms: list[list]  # per group: this step's gradients' norms so far (vectors, or CPU floats)
+    fired: list[int]  # per hooked parameter: its gradients this step
+    fired_total: int = 0  # gradients seen this step, all parameters
+    passes_started: int = 0  # passes whose first gradient has been seen (the step clock's stamps)
+    bucket: list = dataclasses.field(default_factory=list)  # parameters waiting to be sent
+    bucket_elements: int = 0
+    stats_handle: Any = None  # the statistics allreduce in flight (one process: the sums)
+    pending: torch.Tensor | None = None  # [s..., c, q...] after synchronize, until step()
+    count: int | None = None  # unmeasured: the step's micro-gradients, after synchronize
+    synchronized: bool = False  # synchronize() ran for this step
+    sent: int = 0  # unmeasured, with Horovod's hooks: gradients handed to Horovod this step
+
+    def counted(self) -> None:
+        """The norms and counts went into the statistics: the next pass starts from zero."""
+        for group_norms in self.norms:
+            group_norms.clear()
+        self.fired = [0] * len(self.fired)
+        self.fired_total = self.passes_started = self.sent = 0
+
+
+class Statistics:
+    """The statistics' half of ``DistributedOptimizer`` (its attributes: ``_step``,
+    ``param_groups``, ``_hvd_opt``, ``scaling``, ``_op``, ``_factors``, ``_alone``, ...)."""
+
+    # A backward pass is counted by the parameters' own gradients, not by autograd's end-of-
+    # backward callback: under reentrant activation checkpointing that callback belongs to the
+    # nested backward of the first segment, and would end the pass too early. Each hooked
+    # parameter gets one gradient per pass that reaches it, so this worker's passes are the
+    # largest count (parameters without a gradient in some pass count less).
+    def _make_count_hook(self, index: int):
+        """Unmeasured, one process: count this parameter's gradients (the passes of a step)."""
+        def hook(grad: torch.Tensor) -> None:
+            if not self._hooks_paused:
+                self._step.fired[index] += 1
+        return hook
+
+    def _send_counting(self, p: torch.Tensor):
+        """Unmeasured, with Horovod's hooks: hand p's gradient to Horovod; before the step's
+        last one, the micro-gradient count goes out (so it joins their allreduce)."""
+        step = self._step
+        if not self._sending_rest:
+            step.sent += 1
+            if step.sent == self._trained and step.stats_handle is None:
+                step.stats_handle = self._start_count(self.backward_passes_per_step)
+        return self._send(p)
+
+    def _local_passes(self) -> int:
+        """Unmeasured: the passes this worker took this step (Horovod's counters or the count
+        hooks: the largest count over parameters; a short step takes fewer than k)."""
+        if self._hooked:
+            return max(self._step.fired, default=0)
+        k, delay = self.backward_passes_per_step, self._hvd_opt._allreduce_delay
+        if k == 1:
+            return 1 if self._step.sent or any(p.grad is not None for p in self._params()) else 0
+        return max((k - delay[p] for p in self._hvd_opt._requires_update), default=0)
+
+    def _start_count(self, passes: int):
+        """[c] over workers, reduced as the gradients are (``start_statistics``'s wire)."""
+        count = torch.tensor([float(passes)], dtype=self._stats_dtype, device=self._device)
+        if self._alone:
+            return count
+        return hvd.allreduce_async_(count, op=self._op, name=STATS_NAME + ".count",
+                                    prescale_factor=self._factors[0],
+                                    postscale_factor=self._factors[1],
+                                    process_set=self._process_set)
+
+    def _make_norm_hook(self, group_index: int, p: torch.Tensor, index: int):
+        precondition = self.scaling.rule.statistics == "preconditioned"
+
+        def hook(grad: torch.Tensor) -> None:
+            if self._hooks_paused:
+                return
+            # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
+            g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
+            step = self._step
+            # On the CPU a float: no tensor op per pass and parameter beyond the norm itself.
+            step.norms[group_index].append(cpu_norm(g) if g.device.type == "cpu" and not g.is_sparse
+                                           else self._norm(g))
+            step.fired[index] += 1
+            step.fired_total += 1
+            if step.fired[index] > step.passes_started:  # the first gradient of a new pass
+                step.passes_started += 1
+                self.scaling.clock.pass_started()
+            if step.fired_total == self._all_gradients and step.stats_handle is None:
+                # The step's last gradient: this hook runs before Horovod's hook enqueues its
+                # allreduce, so the statistics are in Horovod's queue no later than the last
+                # gradient and never wait a cycle for themselves. (Otherwise, with parameters
+                # that got no gradient or a short step, synchronize() sends them.)
+                step.stats_handle = self.start_statistics()
+        return hook
+
+    def _send_in_buckets(self, p: torch.Tensor):
+        """Horovod's hook hands over each gradient of the step (k = 1) to be sent; it goes out
+        with its bucket, after the bucket's norms. Returns what Horovod's hook records for p."""
+        if self._sending_rest:
+            return self._send(p)  # no gradient this step: Horovod sends zeros, nothing to measure
+        step = self._step
+        step.bucket.append(p)
+        step.bucket_elements += p.grad.numel()
+        step.fired_total += 1
+        if (step.fired_total == self._all_gradients or len(step.bucket) >= BUCKET_TENSORS
+                or step.bucket_elements >= BUCKET_ELEMENTS):
+            return self._flush_bucket(current=p)
+        return None, None  # a placeholder until its bucket is sent (below)
+
+    def _flush_bucket(self, current: torch.Tensor | None = None):
+        """Take the bucket's norms, then send its gradients (the statistics first when this is
+        the step's last gradient). Returns ``current``'s (handle, ctx) for Horovod's hook."""
+        step = self._step
+        bucket, step.bucket, step.bucket_elements = step.bucket, [], 0
+        if not bucket:
+            return None, None
+        self._take_norms(bucket)
+        if step.fired_total == self._all_gradients and step.stats_handle is None:
+            step.stats_handle = self.start_statistics()
+        handles, result = self._hvd_opt._handles, (None, None)
+        for p in bucket:
+            sent = self._send(p)
+            if p is current:
+                result = sent
+            else:
+                handles[p] = sent
+        return result
+
+    def _grad_norms(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """|p.grad| of each parameter, a float64 vector (``norms``): one fused kernel when the
+        gradients allow it (dense, one dtype); adascale_adam's preconditioned gradients one at a
+        time (one alive at a time, not the whole model's)."""
+        grads = [p.grad for p in params]
+        if self.scaling.rule.statistics == "preconditioned":
+            return torch.cat([self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
+                              for p, g in zip(params, grads)])
+        return norms(grads)
+
+    def _take_norms(self, params: list[torch.Tensor]) -> None:
+        """Keep the bucket's norms for this step's sums: as one vector when there is one group."""
+        vector = self._grad_norms(params)
+        norms = self._step.norms
+        if len(norms) == 1:
+            norms[0].append(vector)
+        else:
+            for i, p in enumerate(params):
+                norms[self._group_of[p]].append(vector[i:i + 1])
+
+    def start_statistics(self):
+        """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op,
+        pre/postscale factors and dtype): Horovod fuses only tensors that agree on these, so the
+        statistics join the gradients' allreduce instead of being a collective of their own.
+        In the gradients' dtype the sums travel three times (``hvd_scale.reduce``: the wire);
+        ``_summed`` turns the result into the float64 sum."""
+        s = self.local_statistics()
+        groups = len(self.param_groups)
+        wire = torch.cat([*wire_copies(s[:groups]), s[groups:]]).to(self._stats_dtype)
+        if self._alone:
+            return wire  # the sum over one worker (Horovod's factors multiply to 1)
+        return hvd.allreduce_async_(wire, op=self._op, name=STATS_NAME,
+                                    prescale_factor=self._factors[0], postscale_factor=self._factors[1],
+                                    process_set=self._process_set)
+
+    def _summed(self, reduced: torch.Tensor) -> torch.Tensor:
+        """[s..., c] summed over workers, float64, from what ``start_statistics`` reduced."""
+        groups = len(self.param_groups)
+        reduced = reduced.double()
+        if self._op == hvd.Average:
+            reduced.mul_(self.scaling.hvd.size())
+        plain, wide, narrow, count = (reduced[:groups], reduced[groups:2 * groups],
+                                      reduced[2 * groups:3 * groups], reduced[3 * groups:])
+        # A count of micro-batches, exact again after the average's rounding.
+        return torch.cat([wire_sums(plain, wide, narrow, torch), count.round()])
+
+    def _norm(self, g: torch.Tensor) -> torch.Tensor:
+        """[|g|] as a float64 vector of one (``norms``)."""
+        return norms([g])
+
+    def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
+        """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
+        state = self.state.get(p)
+        if not state or "exp_avg_sq" not in state:
+            return grad  # first step: no second moment yet, the plain gradient
+        bias_correction2 = self.policy.second_moment_correction(group["betas"][1], float(state["step"]))
+        if bias_correction2 == 0.0:
+            return grad  # v holds no gradient yet
+        return precondition(grad, state["exp_avg_sq"], bias_correction2, group["eps"], torch.Tensor.sqrt_)
+
+    def local_statistics(self) -> torch.Tensor:
+        """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), float64: squares of the
+        float64 norms, which no finite gradient overflows. c is the passes this worker actually
+        took (a short step takes fewer than k)."""
+        device, step = self._device, self._step
+        sums = [_vector(group_norms).square().sum() if group_norms
+                else torch.zeros((), dtype=torch.float64, device=device)
+                for group_norms in step.norms]
+        passes = min(1, step.fired_total) if self._bucketed else max(step.fired, default=0)
+        count = torch.tensor(float(passes), dtype=torch.float64, device=device)
+        step.counted()
+        return torch.stack(sums + [count])
+
+    def mean_sqnorms(self) -> torch.Tensor:
+        """|g_bar|^2 per group (float64) from the mean micro-gradient that p.grad holds after
+        synchronize."""
+        out = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            out.append(self._grad_norms(params).square().sum() if params
+                       else torch.zeros((), dtype=torch.float64, device=self._device))
+        return torch.stack(out)
+
+    def _to_mean_gradient(self, count: torch.Tensor | None) -> None:
+        """Make p.grad the mean of the step's micro-gradients, in place (no copy).
+
+        Horovod leaves there, over workers, the mean (op=Average) or the sum (op=Sum) of each
+        worker's *sum* of its passes. The mean over all n micro-gradients is what Keras applies
+        too, so one loss convention (each micro-batch's mean loss, not divided by k) gives the
+        same update in both frameworks. ``count``: n, from the statistics (a device tensor); None
+        without measurement, when every worker is taken to have made k passes.
+        """
+        k, workers = self.backward_passes_per_step, self.scaling.hvd.size()
+        per_worker_mean = self._op == hvd.Average
+        # At k = 1 the average is already the mean unless some worker sent no pass: a rank
+        # that called hvd.join() contributes zeros, and Horovod still divides by all workers.
+        # On the CPU n is read for free and the multiply skipped when it changes nothing; on
+        # a device the multiply is cheaper than the host transfer that would decide it.
+        if per_worker_mean and k == 1 and (count is None or (
+                count.device.type == "cpu" and count.item() == workers)):
+            return
+        grads = self._grads()
+        if not grads:
+            return
+        if count is None:
+            factor = 1.0 / (k if per_worker_mean else k * workers)
+        else:  # on the device: no host transfer before the step's one
+            factor = (workers if per_worker_mean else 1.0) / count.clamp(min=1)
+        torch._foreach_mul_(grads, factor)
+
+    def _grads_finite(self) -> bool:
+        return all_finite(self._grads())
