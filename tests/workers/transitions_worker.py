@@ -1,0 +1,386 @@
+"""Every change of k or S, in every framework (issue #47): the cells of tests/test_transitions.py.
+
+A cell is (loop, change, policy, measured). Each runs a few steps of a small float64 regression,
+changing k or S the way ``change`` says, and reports per step (lr factor, tau, S, k, skipped),
+the final weights and the run's record, or the refusal it met (with whether anything had been
+applied before it). The same script runs under ``horovodrun -np 2``, in one process, and as the
+one-process reference of a W-worker job (``--simulate W``): one process taking, as one step's
+passes, every micro-batch that the W ranks take in that step. A micro-batch is drawn from
+(step, its index among the step's W x k micro-batches), so the reference is fed the same ones.
+
+    python transitions_worker.py --framework torch|keras [--simulate 2] [--save F --stop-after 3]
+                                 [--load F] [--passes-factor 2] [--cells change,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+
+from _report import emit_result
+
+STEPS = 6
+LR = 0.05
+POLICIES = {"none": "none", "warmup": "warmup:baseline_steps=8", "adascale": "adascale",
+            "adascale_adam": "adascale_adam"}
+CHANGES = ("steady", "adapt", "set_passes", "checkpoint", "adapt_checkpoint", "short", "join",
+           "nonfinite", "resume")
+# Cells that cannot run, and why (reported as such, never left out).
+CANNOT = {
+    ("keras", "short"): "Keras takes a step every k apply calls: there is no short step (fit "
+                        "refuses unequal shards, hvd_scale.adapters.keras.callbacks)",
+    ("keras", "join"): "hvd.join is a torch path (uneven data); Keras's fit refuses unequal "
+                       "shards before the first step",
+}
+
+
+def k_schedule(change: str, step: int) -> int:
+    """k of step ``step`` (1-based) in a cell; the change happens between steps 2 and 3."""
+    if change in ("adapt", "adapt_checkpoint"):
+        return 2 if step <= 2 else 4
+    if change == "set_passes":
+        return 2 if step <= 2 or step > 4 else 1
+    if change == "short":
+        return 2
+    return 1
+
+
+def passes_of(change: str, step: int, rank: int, k: int, workers: int) -> list[int]:
+    """The indices, among the step's W x k micro-batches, that rank ``rank`` takes."""
+    own = [rank * k + p for p in range(k)]
+    if change == "short" and step == 3:
+        return own[:k - rank] if workers > 1 else own[:1]  # rank 1 (or the only rank) one short
+    if change == "join" and step > 3 and rank == 1:
+        return []  # rank 1 has run out of data and joined
+    return own
+
+
+def micro(step: int, index: int, poison: bool = False):
+    rng = np.random.default_rng(1000 * step + index)
+    x = rng.normal(size=(8, 4))
+    y = x @ np.array([[1.0], [-2.0], [0.5], [0.3]]) + 0.1 * rng.normal(size=(8, 1))
+    if poison:
+        x = x * np.inf
+    return x, y
+
+
+def poisoned(change: str, step: int, index: int, workers: int, k: int) -> bool:
+    return change == "nonfinite" and step == 3 and index == workers * k - 1
+
+
+class Ranks:
+    """This process as W workers: its rank(s) and the world's size."""
+
+    def __init__(self, hvd, simulate: int | None):
+        self.hvd, self.simulate = hvd, simulate
+        self.workers = simulate or hvd.size()
+        self.ranks = list(range(simulate)) if simulate else [hvd.rank()]
+
+    def indices(self, change, step):
+        k = k_schedule(change, step)
+        return [i for r in self.ranks for i in passes_of(change, step, r, k, self.workers)], k
+
+
+def row(ranks, opt, k, change, step):
+    """A step's (lr factor, tau, S, n = W x k, skipped, the micro-batches all ranks took): n,
+    since the reference takes W x k; the last from the schedule, not from the optimizer (the
+    test checks tau's advance against it)."""
+    policy = opt.policy
+    n = k * (1 if ranks.simulate else ranks.workers)
+    per_rank = k_schedule(change, step)
+    taken = sum(len(passes_of(change, step, r, per_rank, ranks.workers))
+                for r in range(ranks.workers))
+    return [float(opt.lr_factor), float(policy.progress), float(policy.scale), int(n),
+            int(policy.skipped), taken]
+
+
+# -- torch -------------------------------------------------------------------------------------
+
+def torch_cell(ranks, change, spec, measured, args):
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_scale.adapters.torch import DistributedOptimizer, broadcast_state
+
+    mult = ranks.workers if ranks.simulate else args.passes_factor
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(),
+                                    torch.nn.Linear(3, 1)).double()
+        inner = (torch.optim.Adam(model.parameters(), lr=LR * 0.1) if spec.startswith("adascale_adam")
+                 else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+        # torch's set_passes needs no adapt where k starts >= 2
+        adapt = change in ("adapt", "adapt_checkpoint")
+        opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(), policy=spec,
+                                   backward_passes_per_step=k_schedule(change, 1) * mult,
+                                   measure=measured,
+                                   adapt="goodput" if adapt else None,
+                                   max_passes=4 * mult if adapt else None,
+                                   adapt_every=10 ** 6 if change == "set_passes" else 2)
+        return model, opt
+
+    def weights(model):
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+    model, opt = build()
+    if args.load:
+        path = checkpoint_path(args.load, "custom", spec, measured, "pt")
+        state = torch.load(path, weights_only=False) if ranks.hvd.rank() == 0 else None
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+    broadcast_state(model, opt)
+    first = args.start_step
+    rows = []
+    for step in range(first, STEPS + 1):
+        indices, k = ranks.indices(change, step)
+        if change == "join" and not indices:
+            hvd.join()
+            return {"rows": rows, "weights": None, "record": None, "joined_after": step - 1}
+        opt.zero_grad()
+        for i in indices:
+            x, y = micro(step, i, poisoned(change, step, i, ranks.workers, k))
+            torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        opt.step()
+        rows.append(row(ranks, opt, opt.backward_passes_per_step, change, step))
+        if change == "set_passes" and step in (2, 4):
+            opt.set_passes(k_schedule(change, step + 1) * mult)
+        if change in ("checkpoint", "adapt_checkpoint") and step == 3:
+            saved = {"model": {k_: v.clone() for k_, v in model.state_dict().items()},
+                     "opt": opt.state_dict()}
+            # A new job (at the k it starts with): rank 0 loads, then broadcast_state gives
+            # every rank the whole record, k included (#47 item 2).
+            model, opt = build()
+            if ranks.hvd.rank() == 0:
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+            broadcast_state(model, opt)
+        if args.save and step == args.stop_after:
+            if ranks.hvd.rank() == 0:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                           checkpoint_path(args.save, "custom", spec, measured, "pt"))
+            break
+    if change == "join" and ranks.hvd.size() > 1:
+        hvd.join()
+    return {"rows": rows, "weights": weights(model), "record": opt.scaling.state_dict()}
+
+
+# -- Keras ---------------------------------------------------------------------------------------
+
+def keras_cell(ranks, loop, change, spec, measured, args):
+    import keras
+
+    from hvd_scale.adapters.keras import (BroadcastInitialState, DistributedOptimizer,
+                                          ScalingMetrics, broadcast_state)
+
+    keras.config.set_floatx("float64")
+    mult = ranks.workers if ranks.simulate else args.passes_factor
+    tf_backend = keras.backend.backend() == "tensorflow"
+
+    def build():
+        keras.utils.set_random_seed(0)
+        # Named, so that a checkpoint's variables are found by path in a rebuilt model.
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(3, activation="tanh", name="hidden"),
+                                  keras.layers.Dense(1, name="out")], name="model")
+        inner = (keras.optimizers.Adam(LR * 0.1, name="inner") if spec.startswith("adascale_adam")
+                 else keras.optimizers.SGD(LR, momentum=0.9, name="inner"))
+        adapt = change in ("adapt", "adapt_checkpoint", "set_passes")  # Keras: k changes only so
+        opt = DistributedOptimizer(inner, policy=spec, name="hvd_scale",
+                                   backward_passes_per_step=k_schedule(change, 1) * mult,
+                                   measure=measured,
+                                   adapt="goodput" if adapt else None,
+                                   max_passes=4 * mult if adapt else None,
+                                   adapt_every=10 ** 6 if change == "set_passes" else 2)
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        opt.build(model.trainable_variables)
+        return model, opt
+
+    def state_of(model, opt):
+        """A checkpoint: every variable by its path (the accumulation variables of another k
+        are the new job's own, as with tf.train.Checkpoint's expect_partial)."""
+        return {v.path: np.array(keras.ops.convert_to_numpy(v.value), copy=True)
+                for v in model.variables + opt.variables}
+
+    def load(model, opt, values):
+        for v in model.variables + opt.variables:
+            if v.path in values and "accumulat" not in v.path and "micro_steps" not in v.path \
+                    and "local_sqnorm" not in v.path:
+                v.assign(values[v.path])
+
+    model, opt = build()
+    if args.load:
+        if ranks.hvd.rank() == 0:
+            path = checkpoint_path(args.load, loop, spec, measured, "npy")
+            load(model, opt, np.load(path, allow_pickle=True).item())
+    broadcast_state(model, opt)
+    rows = []
+
+    def after_step(step):
+        """Between steps (both loops): a change by hand, a checkpoint; True: stop."""
+        nonlocal model, opt
+        if change == "set_passes" and step in (2, 4):
+            opt.set_passes(k_schedule(change, step + 1) * mult)
+        if change in ("checkpoint", "adapt_checkpoint") and step == 3:
+            saved = state_of(model, opt)
+            model, opt = build()
+            if ranks.hvd.rank() == 0:
+                load(model, opt, saved)
+            broadcast_state(model, opt)
+        if args.save and step == args.stop_after:
+            if ranks.hvd.rank() == 0:
+                np.save(checkpoint_path(args.save, loop, spec, measured, "npy"), state_of(model, opt),
+                        allow_pickle=True)
+            return True
+        return False
+
+    first = args.start_step
+    if loop == "custom":
+        for step in range(first, STEPS + 1):
+            indices, k = ranks.indices(change, step)
+            for i in indices:
+                x, y = micro(step, i, poisoned(change, step, i, ranks.workers, k))
+                opt.apply(grads_of(model, x, y, tf_backend), model.trainable_variables)
+            rows.append(row(ranks, opt, opt.backward_passes_per_step, change, step))
+            if opt.scaling.adapt is not None:
+                opt.adapt_passes()
+            if after_step(step):
+                break
+        return {"rows": rows, "weights": weights_of(model), "record": record_of(opt)}
+
+    # fit: the batches of each step in order; a callback records rows and makes the changes.
+    class Steps(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.stop = opt.policy.steps + opt.policy.skipped, False
+
+        def on_train_batch_end(self, batch, logs=None):
+            o = self.model.optimizer
+            done = o.policy.steps + o.policy.skipped
+            if done > self.seen:
+                self.seen = done
+                step = first + len(rows)
+                rows.append(row(ranks, o, o.backward_passes_per_step, change, step))
+                self.stop = after_step(step)
+                if self.stop or model is not self.model:
+                    self.model.stop_training = True
+
+    step = first
+    while step <= STEPS:
+        xs, ys = [], []
+        for s in range(step, STEPS + 1):
+            indices, k = ranks.indices(change, s)
+            for i in indices:
+                x, y = micro(s, i, poisoned(change, s, i, ranks.workers, k))
+                xs.append(x)
+                ys.append(y)
+        before = len(rows)
+        recorder = Steps()
+        model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=8, epochs=1, shuffle=False,
+                  verbose=0, callbacks=[recorder, BroadcastInitialState(), ScalingMetrics()])
+        step = first + len(rows)
+        if recorder.stop or len(rows) == before:
+            break
+    return {"rows": rows, "weights": weights_of(model), "record": record_of(opt)}
+
+
+def grads_of(model, x, y, tf_backend):
+    import keras
+    if tf_backend:
+        import tensorflow as tf
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y, model(x, training=True))
+            loss = keras.ops.mean(loss)
+        return tape.gradient(loss, model.trainable_variables)
+    for v in model.trainable_variables:
+        v.value.grad = None
+    loss = keras.ops.mean(keras.losses.mean_squared_error(y, model(x, training=True)))
+    loss.backward()
+    return [v.value.grad.detach().clone() for v in model.trainable_variables]
+
+
+def weights_of(model):
+    return np.concatenate([np.asarray(w).reshape(-1) for w in model.get_weights()]).tolist()
+
+
+def record_of(opt):
+    return opt.scaling.state_dict()
+
+
+def checkpoint_path(folder, loop, spec, measured, suffix):
+    return os.path.join(folder, f"{loop}-{spec.replace(':', '_')}-{measured}.{suffix}")
+
+
+# -- the cells -------------------------------------------------------------------------------------
+
+def scripted_adapt(mult):
+    """adapt="goodput" with a scripted choice (rank 0's; broadcast as usual): k doubles after
+    step 2, so that the cells are deterministic (the real choice follows timings)."""
+    from hvd_scale.adapters import adapt
+
+    def choose(self, clock, *, sigma2, mu2, scale, passes, workers, max_gain=float("inf")):
+        return passes * 2 if passes == 2 * mult else passes
+    adapt.Adaptation.choose = choose
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framework", choices=("torch", "keras"), required=True)
+    parser.add_argument("--simulate", type=int, default=None)
+    parser.add_argument("--cells", default=",".join(CHANGES))
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--loops", default=None)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--stop-after", type=int, default=None)
+    parser.add_argument("--load", default=None)
+    parser.add_argument("--start-step", type=int, default=1)
+    parser.add_argument("--passes-factor", type=int, default=1)
+    args = parser.parse_args()
+    if args.framework == "torch":
+        import horovod.torch as hvd
+        loops = ["custom"]
+    else:
+        from hvd_scale.adapters.keras import hvd
+        loops = (args.loops or "fit,custom").split(",")
+    hvd.init()
+    ranks = Ranks(hvd, args.simulate)
+    scripted_adapt(ranks.workers if args.simulate else args.passes_factor)
+    for loop in loops:
+        for change in args.cells.split(","):
+            for name in args.policies.split(","):
+                for measured in (True, False):
+                    cell = [args.framework, loop, change, name, measured]
+                    why = CANNOT.get((args.framework, change))
+                    if why is None and change == "join" and ranks.workers == 1:
+                        why = "hvd.join needs 2 workers"
+                    if why is None and change == "resume" and not (args.save or args.load
+                                                                   or args.simulate):
+                        why = "runs as two jobs (tests/test_transitions.py: save, then resume)"
+                    if why:
+                        emit_result(rank=hvd.rank(), cell=cell, status="cannot", why=why)
+                        continue
+                    try:
+                        if args.framework == "torch":
+                            out = torch_cell(ranks, change, POLICIES[name], measured, args)
+                        else:
+                            out = keras_cell(ranks, loop, change, POLICIES[name], measured, args)
+                        status = {"status": "ok", **out}
+                    except (ValueError, RuntimeError, FloatingPointError) as e:
+                        status = {"status": "refused", "why": f"{type(e).__name__}: {e}",
+                                  "where": traceback.format_exc(limit=-3)}
+                    # Every rank meets here: a rank that failed alone would show as a hang.
+                    if hvd.size() > 1:
+                        hvd.allgather_object(cell, name="transitions.cell")
+                    emit_result(rank=hvd.rank(), cell=cell, **status)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
