@@ -101,11 +101,7 @@ class MetricsLogger:
 
     def __init__(self, log_dir: str | os.PathLike, *, rank: int | Callable[[], int] = 0,
                  run_info: Mapping | None = None, budget: float | None = None,
-                 progress_bar: bool = True, tensorboard: bool = True, every: int | None = None,
-                 loss_after_step: bool = True):
-        # loss_after_step: accepted from callers that still pass it; every row waits for its
-        # loss now, in both frameworks (``set_loss``).
-        del loss_after_step
+                 progress_bar: bool = True, tensorboard: bool = True, every: int | None = None):
         self.every = check_every(every)
         # The latest step not due: (its metrics, called only at close; its loss).
         self._unwritten: tuple[Callable[[], Mapping[str, Any]], Any] | None = None

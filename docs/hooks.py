@@ -226,7 +226,8 @@ def conversion_diff_markdown(framework: str) -> str:
 
 GENERATORS = {"policies": policies_markdown, "cli": cli_markdown, "metrics": metrics_markdown,
               "conversion-diff": lambda: conversion_diff_markdown("torch"),
-              "conversion-diff-keras": lambda: conversion_diff_markdown("keras")}
+              "conversion-diff-keras": lambda: conversion_diff_markdown("keras"),
+              "conversion-diff-tape": lambda: conversion_diff_markdown("tape")}
 
 
 def on_page_markdown(markdown: str, page, config, files: Files) -> str:

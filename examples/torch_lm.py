@@ -124,8 +124,8 @@ def main(argv=None) -> dict:
             # k micro-gradients.
             loss, _ = next_word_loss(model, next(batches))
             loss.backward()
-        opt.log_loss(loss.detach())
         opt.step()
+        opt.log_loss(loss.detach())  # the step just taken's row
         gains.append(opt.gain)
         if args.eval_every and opt.progress >= next_eval:
             t0 = time.perf_counter()

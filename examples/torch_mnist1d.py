@@ -115,11 +115,11 @@ def main(argv=None) -> dict:
                 # k micro-gradients (as Keras does).
                 loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
                 loss.backward()
-            opt.log_loss(loss.detach())  # metrics row (with --log-dir), read lazily
             due, t0 = opt.scaling.guard_due(), time.perf_counter()
             # With --guard-every: the guard's steps take the Hessian of this batch's loss.
             opt.step(guard_loss=lambda: loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)))
             (guard_steps if due else plain_steps).append(time.perf_counter() - t0)
+            opt.log_loss(loss.detach())  # the step's metrics row (with --log-dir)
             gains.append(opt.gain)
             metrics = opt.metrics()
             capped += opt.last_learning_rate >= metrics["lr_cap"] * (1 - 1e-9)

@@ -210,8 +210,8 @@ def main(argv=None) -> dict:
             # k micro-gradients.
             loss = loss_fn(logits.reshape(-1, logits.shape[-1]), tgt[:, 1:].reshape(-1))
             loss.backward()
-        opt.log_loss(loss.detach())
         opt.step()
+        opt.log_loss(loss.detach())  # the step just taken's row
         gains.append(opt.gain)
         losses.append(loss.item())
         if args.eval_every and opt.progress >= next_eval:

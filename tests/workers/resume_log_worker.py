@@ -39,8 +39,8 @@ def main():
             x = torch.randn(8, 6, generator=g)
             loss = torch.nn.functional.cross_entropy(model(x), (x[:, :3]).argmax(1))
             loss.backward()
-        opt.log_loss(loss.detach())
         opt.step()
+        opt.log_loss(loss.detach())  # the step just taken's row
         if opt.policy.steps % 3 == 0 and hvd.rank() == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, args.checkpoint)
         if args.crash_at == opt.policy.steps and hvd.rank() == 0:
