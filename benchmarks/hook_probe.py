@@ -2,7 +2,7 @@
 hook runs in Python, as the torch adapter's does, against the same norm in a C++ tensor hook.
 
 With k passes a step every parameter's gradient of every pass is seen by a tensor hook before
-autograd adds it into p.grad (adapters/torch/optimizer.py: ``_make_norm_hook``). On the 120-tensor
+autograd adds it into p.grad (adapters/torch/statistics.py: ``_make_norm_hook``). On the 120-tensor
 MLP at k = 4 that is 480 Python calls a step, and B2 measures adascale / plain 1.24-1.31 there
 against ``none``'s 1.03. This probe times, in one process (no Horovod: only the hooks differ),
 the same steps (zero_grad, k x (forward, backward), SGD step) with:
@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import timing  # noqa: E402
 from torch_overhead import MODELS  # noqa: E402
 
-from hvd_scale.adapters.torch.optimizer import cpu_norm  # noqa: E402
+from hvd_scale.adapters.torch.norms import cpu_norm  # noqa: E402
 
 KINDS = ("plain", "python_noop", "python", "python_out64", "cpp", "cpp_out")
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

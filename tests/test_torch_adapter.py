@@ -137,7 +137,7 @@ def test_unused_parameter(results):
 @pytest.mark.timeout(300)
 def test_statistics_over_many_tensors_sent_in_buckets(results):
     """Without accumulation the norms are taken a bucket at a time as Horovod sends the
-    gradients (adapters/torch/optimizer.py BUCKET_TENSORS, BUCKET_ELEMENTS): several buckets, one full
+    gradients (adapters/torch/statistics.py BUCKET_TENSORS, BUCKET_ELEMENTS): several buckets, one full
     by its size, and an unused layer whose bucket only goes out at synchronize()."""
     r0, r1 = both_ranks(results, "many_tensors")
     assert r0["tensors"] == 50 and r0["rows"] == r1["rows"]  # 48 used, 2 in the unused layer
@@ -309,7 +309,7 @@ def test_norms_of_one_tensor_and_of_mixed_lists_are_exact():
     and underflow whatever their first tensor (a float64 first skipped the check: a float32
     tensor of 1e20 after it came out inf, a step of finite gradients called non-finite)."""
     torch = pytest.importorskip("torch")
-    from hvd_scale.adapters.torch.optimizer import cpu_norm, norms
+    from hvd_scale.adapters.torch.norms import cpu_norm, norms
 
     torch.manual_seed(0)
     for scale in (1.0, 1e-21, 1e-30, 1e20):
@@ -331,7 +331,7 @@ def test_all_finite_reads_without_changing_and_never_calls_finite_non_finite():
     values left bit for bit, one nan or inf anywhere found, large finite values (whose float32
     squares overflow) finite, mixed dtypes and sparse gradients through the norms."""
     torch = pytest.importorskip("torch")
-    from hvd_scale.adapters.torch.optimizer import all_finite
+    from hvd_scale.adapters.torch.norms import all_finite
 
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         big = 6e4 if dtype == torch.float16 else 1e30

@@ -12,8 +12,8 @@ harness (tests/workers/transitions_worker.py) runs the cells
 
 under ``horovodrun -np 2`` and as the one-process reference fed the same micro-batches
 (``--simulate 2``), and one process at W = 1 (``RUNS``: within CI's time, Keras on torch runs
-fit only, and the one-process cells and the resume at another world size are a subset where
-Keras's paths are the same), and asserts for every cell: no crash on a documented path; a
+fit only, Keras's custom loop the changes whose code is its own, and the one-process cells and
+the resume at another world size are a subset where Keras's paths are the same), and asserts for every cell: no crash on a documented path; a
 refused path refused on every rank, naming the cause, alike in the reference; every rank's
 weights and run record identical; each step's lr factor, tau, S, n = W x k and skip count equal
 to the reference's, and the weights too; and, independently of the code under test, tau's advance
@@ -43,10 +43,14 @@ FRAMEWORKS = {"torch": ("torch", None), "keras/tensorflow": ("keras", "tensorflo
 # What each framework runs, within CI's time (a Keras cell costs ~2 s, its model traced anew):
 # the loops; the one-process (np 1) cells beside the reference (itself one process); whether the
 # resume at another world size runs (Keras's record travels the same on both backends).
-RUNS = {"torch": {"loops": "custom", "alone": None, "resume": True},
+RUNS = {"torch": {"loops": "custom", "alone": None, "resume": True, "custom": None},
+        # The custom loop's own paths: eager apply calls, adapt_passes by hand, a checkpoint of
+        # an adapted k, a non-finite step outside fit; the rest are fit's code.
         "keras/tensorflow": {"loops": "fit,custom", "alone": "steady,set_passes,adapt",
-                             "resume": True},
-        "keras/torch": {"loops": "fit", "alone": "steady,set_passes", "resume": False}}
+                             "resume": True,
+                             "custom": "steady,adapt,adapt_checkpoint,nonfinite"},
+        "keras/torch": {"loops": "fit", "alone": "steady,set_passes,adapt", "resume": False,
+                        "custom": None}}
 POLICIES = ("none", "warmup", "adascale", "adascale_adam")
 CHANGES = ("steady", "adapt", "set_passes", "checkpoint", "adapt_checkpoint", "short", "join",
            "nonfinite", "resume")
@@ -83,12 +87,12 @@ def matrix(request, tmp_path_factory):
     framework, backend = FRAMEWORKS[request.param]
     runs = RUNS[request.param]
     tmp = tmp_path_factory.mktemp("transitions")
-    base = [sys.executable, str(WORKER), "--framework", framework, "--loops", runs["loops"]]
+    base = [sys.executable, str(WORKER), "--framework", framework, "--loops", runs["loops"],
+            *(["--custom-cells", runs["custom"]] if runs["custom"] else [])]
     both = _by_cell(worker_results(run_horovod(base, np=2, timeout=900, env=_env(backend))))
-    alone = _by_cell(_one_process(framework, backend, "--loops", runs["loops"],
+    alone = _by_cell(_one_process(framework, backend, *base[3:],
                                   *(["--cells", runs["alone"]] if runs["alone"] else [])))
-    reference = _by_cell(_one_process(framework, backend, "--loops", runs["loops"],
-                                      "--simulate", "2"))
+    reference = _by_cell(_one_process(framework, backend, *base[3:], "--simulate", "2"))
     resumed = {}
     if runs["resume"]:
         # A resume at another world size: saved by an np 2 job after step 3, resumed by one
@@ -96,8 +100,8 @@ def matrix(request, tmp_path_factory):
         first = _by_cell(worker_results(run_horovod(
             base + ["--cells", "resume", "--save", str(tmp), "--stop-after", "3"], np=2,
             timeout=600, env=_env(backend))))
-        second = _by_cell(_one_process(framework, backend, "--loops", runs["loops"], "--cells",
-                                       "resume", "--simulate", "2", "--load", str(tmp),
+        second = _by_cell(_one_process(framework, backend, *base[3:], "--cells", "resume",
+                                       "--simulate", "2", "--load", str(tmp),
                                        "--start-step", "4"))
         resumed = {cell: (ranks, second.get(cell)) for cell, ranks in first.items()}
     return request.param, both, alone, reference, resumed
@@ -138,7 +142,8 @@ def test_every_change_of_k_or_s_in_every_framework(matrix):
     runs, framework = RUNS[name], FRAMEWORKS[name][0]
     expected = {(framework, loop, change, policy, measured)
                 for loop, change, policy, measured in
-                itertools.product(runs["loops"].split(","), CHANGES, POLICIES, (True, False))}
+                itertools.product(runs["loops"].split(","), CHANGES, POLICIES, (True, False))
+                if loop != "custom" or not runs["custom"] or change in runs["custom"].split(",")}
     assert set(both) == expected and set(reference) == expected
     assert set(alone) == {cell for cell in expected
                           if runs["alone"] is None or cell[2] in runs["alone"].split(",")}

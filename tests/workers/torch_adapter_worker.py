@@ -397,8 +397,8 @@ def case_adam_horizons():
                     m.mul_(b1).add_(g, alpha=1 - b1)
                     v.mul_(b2).addcmul_(g, g, value=1 - b2)
                     c1, c2 = 1 - betas[0] ** exponent, 1 - betas[1] ** exponent
-                    p.sub_(lr * info.lr_factor / c1 * m / ((v / c2).sqrt() + eps / math.sqrt(horizon)))
-            rows.append({"gain": r, "lr_factor": info.lr_factor, "progress": tau,
+                    p.sub_(lr * opt.lr_factor / c1 * m / ((v / c2).sqrt() + eps / math.sqrt(horizon)))
+            rows.append({"gain": r, "lr_factor": opt.lr_factor, "progress": tau,
                          "measured": opt.policy.estimator.gain,
                          "diff": float((params_vector(model) - params_vector(ref)).abs().max())})
         group = opt.param_groups[0]

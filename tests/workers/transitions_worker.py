@@ -337,6 +337,8 @@ def main():
     parser.add_argument("--cells", default=",".join(CHANGES))
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--loops", default=None)
+    parser.add_argument("--custom-cells", default=None,
+                        help="the changes the custom loop runs (default: --cells)")
     parser.add_argument("--save", default=None)
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--load", default=None)
@@ -353,7 +355,10 @@ def main():
     ranks = Ranks(hvd, args.simulate)
     scripted_adapt(ranks.workers if args.simulate else args.passes_factor)
     for loop in loops:
-        for change in args.cells.split(","):
+        changes = args.cells.split(",")
+        if loop == "custom" and args.custom_cells:
+            changes = [c for c in changes if c in args.custom_cells.split(",")]
+        for change in changes:
             for name in args.policies.split(","):
                 for measured in (True, False):
                     cell = [args.framework, loop, change, name, measured]
