@@ -351,7 +351,7 @@ def test_all_finite_reads_without_changing_and_never_calls_finite_non_finite():
 def test_checkpoint_loaded_on_one_rank_only_is_detected_on_every_rank(results):
     for r in both_ranks(results, "one_rank_load"):
         assert r["every_rank"] is None
-        assert r["rank0_only"] and "different policy states" in r["rank0_only"]
+        assert r["rank0_only"] and "different run states" in r["rank0_only"]
         assert "0: '2 steps" in r["rank0_only"] and "1: '0 steps" in r["rank0_only"]
         assert "broadcast_state" in r["rank0_only"]
 
@@ -387,8 +387,9 @@ def test_resume_at_another_world_size_same_scale(results):
 @pytest.mark.timeout(300)
 def test_one_process_steps_at_s_1(results):
     """python train.py (no horovodrun): S = 1, one micro-gradient a step: nothing can be measured
-    (the gain is 1 by definition), so even measure=True takes no statistics and hooks no
-    parameter (#31 item 1: those hooks cost 2x a plain step at one process); the steps count."""
+    (the gain is 1 by definition), so by default no statistics are taken and no parameter is
+    hooked (#31 item 1: those hooks cost 2x a plain step at one process); the steps count.
+    An explicit measure=True is honoured (#47 item 3: tests/test_run_paths.py)."""
     r = results["one_process"][0]
     for policy in ("adascale", "none"):
         assert r[policy]["measured"] is False and r[policy]["hooks"] == 0

@@ -90,9 +90,9 @@ def matrix(request, tmp_path_factory):
     base = [sys.executable, str(WORKER), "--framework", framework, "--loops", runs["loops"],
             *(["--custom-cells", runs["custom"]] if runs["custom"] else [])]
     both = _by_cell(worker_results(run_horovod(base, np=2, timeout=900, env=_env(backend))))
-    alone = _by_cell(_one_process(framework, backend, *base[3:],
+    alone = _by_cell(_one_process(framework, backend, *base[4:],
                                   *(["--cells", runs["alone"]] if runs["alone"] else [])))
-    reference = _by_cell(_one_process(framework, backend, *base[3:], "--simulate", "2"))
+    reference = _by_cell(_one_process(framework, backend, *base[4:], "--simulate", "2"))
     resumed = {}
     if runs["resume"]:
         # A resume at another world size: saved by an np 2 job after step 3, resumed by one
@@ -100,7 +100,7 @@ def matrix(request, tmp_path_factory):
         first = _by_cell(worker_results(run_horovod(
             base + ["--cells", "resume", "--save", str(tmp), "--stop-after", "3"], np=2,
             timeout=600, env=_env(backend))))
-        second = _by_cell(_one_process(framework, backend, *base[3:], "--cells", "resume",
+        second = _by_cell(_one_process(framework, backend, *base[4:], "--cells", "resume",
                                        "--simulate", "2", "--load", str(tmp),
                                        "--start-step", "4"))
         resumed = {cell: (ranks, second.get(cell)) for cell, ranks in first.items()}
