@@ -1,0 +1,93 @@
+"""Rerun a bench's untuned AdaScale cells (3 seeds) at the code as it is, beside the runs the fair
+fight stored (results/fair_fight_runs.json), to show what a change of the code moved: each seed's
+quality and steps, the cell's mean and spread, before and after.
+
+    .venv/bin/python benchmarks/rerun_adascale.py --bench b1 --scales 16,64    # ~10 min here
+    .venv/bin/python benchmarks/rerun_adascale.py --bench b4 --scales 32       # ~25 min here
+
+Each run is fair_fight.run's (the example script under horovodrun -np 2, from a snapshot of the
+code); the reruns are kept in results/rerun_adascale.json (by bench, S, seed and code), the
+table in results/rerun_adascale.md is made from all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import fair_fight
+import transformer_bleu as b4
+
+STORE = fair_fight.RESULTS / "rerun_adascale.json"
+REPORT = fair_fight.RESULTS / "rerun_adascale.md"
+
+
+def _cell(rows: list[dict]) -> str:
+    quality = [r["quality"] for r in rows]
+    spread = statistics.stdev(quality) if len(quality) > 1 else 0.0
+    return (f"{statistics.mean(quality):.2f} ± {spread:.2f} "
+            f"({' / '.join(f'{q:.2f}' for q in quality)}); steps "
+            f"{' / '.join(str(r['steps']) for r in rows)}")
+
+
+def report(reruns: list[dict]) -> str:
+    stored = fair_fight.load()
+    lines = ["# AdaScale's fair-fight cells rerun at later code", "",
+             "Untuned AdaScale (the bench's baseline lr), 3 seeds, as `fair_fight.py` runs them, "
+             "against the runs the fair fight stored. Quality: mean ± standard deviation over the "
+             "seeds (each seed's), and each seed's steps.", "",
+             "| bench | S | stored (code) | rerun (code, date) | identical seeds |", "|---|---|---|---|---|"]
+    for bench, S in sorted({(r["bench"], r["S"]) for r in reruns}):
+        policy = fair_fight.BENCHES[bench]["adascale"]
+        for code in sorted({r["code"] for r in reruns if (r["bench"], r["S"]) == (bench, S)}):
+            new = sorted((r for r in reruns if (r["bench"], r["S"], r["code"]) == (bench, S, code)),
+                         key=lambda r: r["seed"])
+            old = []
+            for r in new:
+                match = [x for x in stored if fair_fight.key(x) == fair_fight.key(r)
+                         and "error" not in x]
+                if match:
+                    old.append(match[-1])
+            same = sum(1 for a, b in zip(old, new) if a["quality"] == b["quality"]
+                       and a["steps"] == b["steps"] and a["progress"] == b["progress"])
+            lines.append(f"| {bench} ({policy}) | {S} | {_cell(old)} ({old[0]['code'][:8]}) | "
+                         f"{_cell(new)} ({code[:8]}, {new[-1]['date']}) | {same} of {len(new)} |")
+    lines += ["", "- rerun: `.venv/bin/python benchmarks/rerun_adascale.py --bench b1 --scales "
+              "16,64` and `--bench b4 --scales 32`"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bench", choices=sorted(fair_fight.BENCHES), required=True)
+    p.add_argument("--scales", required=True, help="S to rerun, e.g. 16,64")
+    p.add_argument("--timeout", type=float, default=3600)
+    args = p.parse_args(argv)
+    bench = fair_fight.BENCHES[args.bench]
+    code = fair_fight.code_hash(bench)
+    reruns = json.loads(STORE.read_text())["runs"] if STORE.exists() else []
+    snapshot, _ = b4.snapshot(fair_fight.ROOT)
+    for S in (int(s) for s in args.scales.split(",")):
+        for seed in range(fair_fight.SEEDS):
+            spec = {"policy": bench["adascale"], "S": S, "seed": seed, "lr": bench["lr"],
+                    "budget": bench["budget"]}
+            if any(fair_fight.key(r) == fair_fight.key({"bench": args.bench, **spec})
+                   and r["code"] == code for r in reruns):
+                continue
+            row = fair_fight.run(args.bench, **spec, snapshot=snapshot, code=code,
+                                 timeout=args.timeout)
+            b4.log(f"{args.bench} S {S} seed {seed}: " + (row.get("error") or
+                   f"{row['quality']:.2f} in {row['steps']} steps"))
+            if "error" in row:
+                return 1
+            reruns.append(row)
+            STORE.write_text(json.dumps({"runs": reruns}, indent=1))
+    REPORT.write_text(report(reruns))
+    print(REPORT.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
