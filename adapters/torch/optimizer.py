@@ -251,15 +251,12 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         if handle is None:
             self._to_mean_gradient(None)
         elif counting:
-            reduced = (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).double()
-            if self._op == hvd.Average:
-                reduced.mul_(self.scaling.hvd.size())
-            count = reduced.round()
+            count = self._sum_of(handle).round()  # exact again after the average's rounding
             step.counted()
             self._to_mean_gradient(count[0])
             step.count = int(count.item())
         else:
-            summed = self._summed(handle if torch.is_tensor(handle) else hvd.synchronize(handle))
+            summed = self._summed(handle)
             self._to_mean_gradient(summed[len(self.param_groups)])
             # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
             step.pending = torch.cat([summed, self.mean_sqnorms()])

@@ -191,12 +191,19 @@ class Statistics:
                                     prescale_factor=self._factors[0], postscale_factor=self._factors[1],
                                     process_set=self._process_set)
 
-    def _summed(self, reduced: torch.Tensor) -> torch.Tensor:
-        """[s..., c] summed over workers, float64, from what ``start_statistics`` reduced."""
-        groups = len(self.param_groups)
-        reduced = reduced.double()
+    def _sum_of(self, handle) -> torch.Tensor:
+        """What a statistics allreduce (``start_statistics``, ``_start_count``) sent, summed over
+        workers, float64: its result (one process: the tensor itself), times the world size
+        under op=Average."""
+        reduced = (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).double()
         if self._op == hvd.Average:
             reduced.mul_(self.scaling.hvd.size())
+        return reduced
+
+    def _summed(self, handle) -> torch.Tensor:
+        """[s..., c] summed over workers, float64, from ``start_statistics``'s handle."""
+        groups = len(self.param_groups)
+        reduced = self._sum_of(handle)
         plain, wide, narrow, count = (reduced[:groups], reduced[groups:2 * groups],
                                       reduced[2 * groups:3 * groups], reduced[3 * groups:])
         # A count of micro-batches, exact again after the average's rounding.
