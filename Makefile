@@ -5,6 +5,7 @@
 #   make demo    a 2-process horovodrun MNIST-1D training run with AdaScale, and its summary
 #   make smoke   a 2-process Horovod job without hvd_scale
 #   make docs    the documentation site, built strict into site/ (tests/test_docs.py builds it too)
+#   make docs-serve  the site served at http://127.0.0.1:8000/ (its search needs a server)
 #   make clean   remove caches and build leftovers (keeps .venv; `make distclean` removes it too)
 
 SHELL := /bin/bash
@@ -15,7 +16,7 @@ STAMP := $(VENV)/.hvd_scale_ready
 TEST_TIMEOUT ?= 3600
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo smoke docs clean distclean
+.PHONY: setup test demo smoke docs docs-serve clean distclean
 
 setup: $(STAMP)
 
@@ -42,6 +43,13 @@ smoke: setup
 # The documentation site (mkdocs.yml, docs/): strict, so a broken link or reference fails; offline.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean -d site
+
+# The site served on this machine only, rebuilt as docs/ changes; Ctrl-C stops it. Open it here:
+# opened from site/'s files (file://) the pages read, but the browser refuses the search its
+# index and worker, and the search box stays at "Initializing search".
+DOCS_ADDR ?= 127.0.0.1:8000
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict -a $(DOCS_ADDR)
 
 clean:
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf

@@ -1,8 +1,10 @@
 """Keras callbacks for ``model.fit`` with hvd_scale's optimizer: broadcast the initial state, put
-the policy's metrics into ``logs`` and stop at the budget."""
+the policy's metrics into ``logs``, stop at the budget and show the progress toward it."""
 
 from __future__ import annotations
 
+import math
+import sys
 import warnings
 
 import keras
@@ -196,3 +198,70 @@ def _number(value) -> bool:
         return True
     except (TypeError, ValueError):
         return False
+
+
+class BudgetProgbar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar for a ``fit`` that ``ScalingMetrics`` stops at a budget
+    (``epochs=10**6``): pass it among the callbacks and it replaces Keras's own.
+
+    * Each epoch's header reads ``Epoch 5/~12 (tau 1234/3000)``, not ``Epoch 5/1000000``: tau
+      and the budget (``budget``, default the optimizer's), and the epochs the budget takes at
+      the rate tau grew over the last epoch (an estimate: AdaScale's gain moves the rate). With
+      no budget it is Keras's header.
+    * It shows the loss, Keras's own metrics and ``keys`` of the policy's (``ScalingMetrics``
+      puts them all into the logs; History and CSVLogger keep them all).
+    * When stdout is not a terminal (horovodrun's pipes, a log file) it prints one line per
+      epoch (Keras's ``verbose=2``): a bar redrawn with carriage returns reaches a pipe as one
+      line holding every redraw of the epoch. ``fit(verbose=0)`` silences it.
+    """
+
+    def __init__(self, budget: float | None = None, keys=("progress", "gain", "lr")):
+        super().__init__()
+        self.budget = budget
+        self.hidden = set(LOGS_METRICS) - set(keys)
+        self._tau = []  # tau at the start of each epoch of this fit
+
+    def set_params(self, params):
+        super().set_params(params)
+        if self.verbose == 1 and not (hasattr(sys.stdout, "isatty") and sys.stdout.isatty()):
+            self.verbose = 2
+
+    def _progress(self) -> tuple[float | None, float | None]:
+        """(tau, budget) from the model's optimizer; None where it has none."""
+        opt = getattr(self.model, "optimizer", None)
+        budget = self.budget if self.budget is not None else \
+            getattr(getattr(opt, "policy", None), "budget", None)
+        tau = getattr(opt, "progress", None)
+        return (None if tau is None else float(tau)), budget
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._tau = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        epochs, self.epochs = self.epochs, 1  # Keras's "Epoch N/epochs" line: ours instead
+        try:
+            super().on_epoch_begin(epoch, logs)
+        finally:
+            self.epochs = epochs
+        tau, budget = self._progress()
+        if not self.verbose or epochs <= 1:
+            return
+        if tau is None or not budget:
+            print(f"Epoch {epoch + 1}/{epochs}", flush=True)
+            return
+        self._tau.append(tau)
+        total = ""
+        if len(self._tau) > 1 and self._tau[-1] > self._tau[-2]:
+            left = math.ceil(max(budget - tau, 0.0) / (self._tau[-1] - self._tau[-2]))
+            total = f"/~{min(max(epoch + left, epoch + 1), epochs)}"
+        print(f"Epoch {epoch + 1}{total} (tau {tau:.0f}/{budget:g})", flush=True)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, self._shown(logs))
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, self._shown(logs))
+
+    def _shown(self, logs):
+        return None if logs is None else {k: v for k, v in logs.items() if k not in self.hidden}
