@@ -30,7 +30,10 @@ from hvd_scale.spec import describe_policies, parse_spec
 DESCRIPTION = ("Run a training script under horovodrun, Ray or Spark with a learning-rate scaling "
                "policy, list the policies, check the environment, plot runs, and advise on a "
                "run's workers, passes and micro-batch.")
-SETUP_HINT = engines.SETUP_HINT
+# A repository checkout sets up with make; an environment of its own (`pip install .`, README's
+# Install) builds or installs Horovod with `hvd-scale build-horovod`.
+SETUP_HINT = (f"{engines.SETUP_HINT}; in an environment of your own, "
+              "`hvd-scale build-horovod`")
 
 # The environment every worker gets, and how each engine starts them: launch/engines.py.
 # CPU_ENV_DEFAULTS (one BLAS thread per worker, a 5 ms Horovod cycle; only the thread where the
@@ -137,11 +140,20 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    """Versions and Horovod's build; exit 1 when Horovod or a framework is missing."""
+    """Versions and Horovod's build; exit 1 when Horovod is missing, when Horovod's library for
+    an installed framework does not load, or when neither framework is installed. A framework
+    that is not installed (a torch-only environment) is said so, not counted against it."""
     import importlib.metadata as md
 
     ok = True
+    frameworks = 0
 
     def version(dist: str) -> str:
         try:
@@ -159,7 +171,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     except ImportError:
         print(f"horovod is not importable: {SETUP_HINT}")
         return 1
-    for fw, module in (("PyTorch", "horovod.torch"), ("TensorFlow", "horovod.tensorflow")):
+    for fw, module, framework in (("PyTorch", "horovod.torch", "torch"),
+                                  ("TensorFlow", "horovod.tensorflow", "tensorflow")):
+        if not _importable(framework):
+            print(f"horovod[{fw}]: not checked ({framework} is not installed)")
+            continue
+        frameworks += 1
         try:
             hvd = __import__(module, fromlist=["mpi_built"])
             print(f"horovod[{fw}]: built; MPI {hvd.mpi_built()}, Gloo {hvd.gloo_built()}, "
@@ -167,6 +184,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         except Exception as e:  # an unbuilt or mismatched extension
             ok = False
             print(f"horovod[{fw}]: NOT usable ({type(e).__name__}: {e}): {SETUP_HINT}")
+    if not frameworks:
+        ok = False
+        print("neither torch nor tensorflow is installed: hvd_scale needs one of them")
     print(f"slots on this host: {os.cpu_count()}")
     return 0 if ok else 1
 
