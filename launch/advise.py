@@ -1,19 +1,24 @@
-"""``hvd-scale advise LOGDIR``: which workers W, passes k and micro-batch m would finish soonest.
+"""``hvd-scale advise LOGDIR [LOGDIR ...]``: which workers W, passes k and micro-batch m would
+finish soonest.
 
-From a run's log directory (``hvd_scale.adapters.log.MetricsLogger``'s metrics.csv and run.json):
-the latest statistics (sigma2, mu2) give the gain r(S) of any batch S = W k m (in baseline
-batches), the latest steps' timings fit ``hvd_scale.goodput``'s step-time model at the run's W,
-and each configuration of a grid is ranked by goodput r(S) / T (baseline steps per second).
-With ``--plot``, a picture of the efficiency r(S) / S against S at a few points in training.
+From runs' log directories (``hvd_scale.adapters.log.MetricsLogger``'s metrics.csv and run.json):
+the latest statistics (sigma2, mu2) of the first log that has them give the gain r(S) of any
+batch S = W k m (in baseline batches); each W that a log's rows measured (the ``workers`` column:
+an elastic run's rows carry several) has ``hvd_scale.goodput``'s step-time model fitted to that
+W's own latest steps, from every log given; each configuration of a grid is ranked by goodput
+r(S) / T (baseline steps per second). With ``--plot``, a picture of the efficiency r(S) / S
+against S at a few points in training.
 
-Only the run's own W is measured: the rows of other W are extrapolations from it, marked, with
-their basis said. Where the run's workers shared a host (run.json's ``workers_on_host``, from
-``hvd_scale.adapters.log.host_facts``), its per-pass time was measured with that sharing and
-says little of another W's: a warning says so.
+A W that no log measured is an extrapolation from the nearest W measured (one above 1 for an
+allreduce to scale from), marked, with its basis named. Where the workers of that basis shared a
+host (run.json's ``workers_on_host``, from ``hvd_scale.adapters.log.host_facts``), its per-pass
+time was measured with that sharing and says little of another W's: a warning says so, and that
+a short run at the W considered, given beside the others, replaces the guess by a measurement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -75,8 +80,10 @@ def sharing(info: dict, workers: int) -> str | None:
     where = (f" ({on_host} workers on {cpus} CPUs)" if isinstance(on_host, int) and cpus else "")
     return (f"warning: {basis}{where}: at another W it is not measured. Fewer workers on a "
             f"host each get more of its cores and memory (a pass at W = 1 can be several times "
-            f"faster), more get less: the W* rows, which carry W = {workers}'s pass, are a "
-            f"guess. Log a short run at the W you consider and run advise on it")
+            f"faster), more get less: the W* rows extrapolated from W = {workers}, which carry "
+            f"its pass, are a guess. Log a short run at the W you consider and give its log to "
+            f"advise beside this one (hvd-scale advise LOGDIR OTHER_LOGDIR): that W's rows then "
+            f"come from its own steps")
 
 
 def _duration(seconds: float) -> str:
@@ -85,6 +92,12 @@ def _duration(seconds: float) -> str:
     s = round(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else \
         f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{seconds:.1f}s"
+
+
+def _and(items: Sequence) -> str:
+    """1, 2 and 4."""
+    items = [str(x) for x in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def load(log_dir: str | pathlib.Path) -> tuple[dict[str, list[float]], dict]:
@@ -102,102 +115,224 @@ def load(log_dir: str | pathlib.Path) -> tuple[dict[str, list[float]], dict]:
     return columns, info
 
 
-def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8),
-           passes: Sequence[int] = (1, 2, 4, 8, 16), micro_batch_factors: Sequence[float] = (1,),
-           budget: float | None = None, window: int | None = None,
-           plot: str | None = None) -> str:
-    """The report (text). Raises FileNotFoundError or ValueError, naming ``log_dir`` and what
-    it lacks."""
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1 step, got {window}")
-    columns, info = load(log_dir)
-    stats = _finite(columns, (SIGMA2, MU2))
-    if not stats:
-        raise ValueError(f"{log_dir}: no step has statistics (sigma2, mu2): log the run with a "
-                         f"policy that measures (adascale) or with measure=True")
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """One log's timed steps at one W, the window fitted (what ``goodput.fit_step_time`` takes)."""
+
+    log: str               # the log directory, as given
+    info: dict             # its run.json
+    workers: int
+    first: float           # the window's first and last step
+    last: float
+    passes: np.ndarray     # k of each step
+    micro_batch: np.ndarray  # m, in baseline batches (S = W k m with B0 = 1)
+    compute: np.ndarray    # o + k c: the step's passes and own work
+    allreduce: np.ndarray
+    update: np.ndarray
+    per_pass: np.ndarray   # one pass timed alone (k >= 2), else nan
+
+    @property
+    def configuration(self) -> tuple[int, int, float]:
+        """(W, k, m) of the window's latest step: the configuration this log measured at W."""
+        return self.workers, int(self.passes[-1]), float(self.micro_batch[-1])
+
+
+def timings(log: str, columns: dict[str, list[float]], info: dict,
+            window: int | None = None) -> tuple[list[Timings], int]:
+    """The log's timed steps grouped by W (in the order each W first ran), each group its latest
+    ``window`` steps (default: its latest 20%, at least 10), the warm-up left out: the log's first
+    steps and the first after each change of W (Horovod re-forms its ring, loaders refill); and
+    the W of the latest timed step. ValueError where no step has timings."""
     timed = _finite(columns, TIMINGS)
     if not timed:
-        raise ValueError(f"{log_dir}: no step has timings ({', '.join(TIMINGS)}): both adapters "
+        raise ValueError(f"{log}: no step has timings ({', '.join(TIMINGS)}): both adapters "
                          f"log them from the second step on (Keras's before 2026-12-02 did not)")
-    timed = [i for i in timed if columns[STEP][i] > WARMUP_STEPS] or timed
+    n, steps = len(columns[STEP]), columns[STEP]
     # W of each step (Horovod elastic changes it); a log written before the column: run.json's.
-    n = len(columns[STEP])
-    workers_col = columns.get(WORKERS, [math.nan] * n)
-    W = int(workers_col[timed[-1]]) if math.isfinite(workers_col[timed[-1]]) else info["workers"]
-    timed = [i for i in timed if not math.isfinite(workers_col[i]) or workers_col[i] == W]
-    rows = timed[-(window or max(MIN_WINDOW, math.ceil(WINDOW_FRACTION * len(timed)))):]
+    column = columns.get(WORKERS, [math.nan] * n)
+    w_of = [int(w) if math.isfinite(w) else int(info["workers"]) for w in column]
+    since, later = [steps[0]] * n, [False] * n  # each row's stretch at its W: first step, not first
+    for i in range(1, n):
+        changed = w_of[i] != w_of[i - 1]
+        since[i] = steps[i] if changed else since[i - 1]
+        later[i] = changed or later[i - 1]
+    warm = [i for i in timed if (steps[i] >= since[i] + WARMUP_STEPS if later[i]
+                                 else steps[i] > WARMUP_STEPS)]
+    groups = []
+    for W in dict.fromkeys(w_of[i] for i in timed):
+        rows = [i for i in warm if w_of[i] == W] or [i for i in timed if w_of[i] == W]
+        rows = rows[-(window or max(MIN_WINDOW, math.ceil(WINDOW_FRACTION * len(rows)))):]
+        col = lambda name: np.array([columns.get(name, [math.nan] * n)[i]  # noqa: E731
+                                     for i in rows])
+        k, overhead = col(PASSES), col(OVERHEAD_TIME)
+        alone = np.isfinite(overhead)  # a pass timed alone (k >= 2): the step's own work apart
+        scale = np.where(np.isfinite(col(SCALE)), col(SCALE), float(info.get("scale", W)))
+        groups.append(Timings(log, info, W, steps[rows[0]], steps[rows[-1]], k, scale / (W * k),
+                              k * col(PASS_TIME) + np.where(alone, overhead, 0.0),
+                              col(ALLREDUCE_TIME), col(UPDATE_TIME),
+                              np.where(alone, col(PASS_TIME), np.nan)))
+    return groups, w_of[timed[-1]]
 
-    col = lambda name: np.array([columns.get(name, [math.nan] * n)[i] for i in rows])  # noqa: E731
-    k = col(PASSES)
-    # S = W k m with B0 = 1: m in baseline batches (the scale column is each step's S)
-    m = np.where(np.isfinite(col(SCALE)), col(SCALE), float(info.get("scale", W))) / (W * k)
-    # The step's own work apart from its passes where a pass was timed alone (k >= 2).
-    overhead = col(OVERHEAD_TIME)
-    alone = np.isfinite(overhead)
-    model = goodput.fit_step_time(k, m, k * col(PASS_TIME) + np.where(alone, overhead, 0.0),
-                                  col(ALLREDUCE_TIME), col(UPDATE_TIME), workers=W,
-                                  per_pass=np.where(alone, col(PASS_TIME), np.nan))
+
+def fit(groups: Sequence[Timings]) -> goodput.StepTimeModel:
+    """The step-time model of one W from its steps in every log (pooled)."""
+    cat = lambda name: np.concatenate([getattr(g, name) for g in groups])  # noqa: E731
+    return goodput.fit_step_time(cat("passes"), cat("micro_batch"), cat("compute"),
+                                 cat("allreduce"), cat("update"), workers=groups[0].workers,
+                                 per_pass=cat("per_pass"))
+
+
+def basis(workers: int, measured: Sequence[int]) -> int | None:
+    """The measured W that another W is extrapolated from: the nearest (by ratio; a tie, the
+    smaller), among those above 1 for a W above 1 (a one-worker run had no allreduce to scale);
+    None where there is none."""
+    options = [w for w in measured if w > 1] if workers > 1 else list(measured)
+    return min(options, key=lambda w: (abs(math.log(workers / w)), w)) if options else None
+
+
+def advise(log_dirs: str | os.PathLike | Sequence[str | os.PathLike], *,
+           workers: Sequence[int] = (1, 2, 4, 8), passes: Sequence[int] = (1, 2, 4, 8, 16),
+           micro_batch_factors: Sequence[float] = (1,), budget: float | None = None,
+           window: int | None = None, plot: str | None = None) -> str:
+    """The report (text) on one log directory or several (runs at different W: each W measured
+    is predicted from its own steps). The statistics, policy and budget are the first log's that
+    has statistics. Raises FileNotFoundError or ValueError, naming the log and what it lacks."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 step, got {window}")
+    if isinstance(log_dirs, (str, os.PathLike)):
+        log_dirs = [log_dirs]
+    if not log_dirs:
+        raise ValueError("no log directory given")
+    names = [str(d) for d in log_dirs]
+    several = len(names) > 1
+    logs = [load(d) for d in log_dirs]
+    groups, latest_w = [], []
+    for name, (columns, info) in zip(names, logs):
+        found, w = timings(name, columns, info, window)
+        groups.append(found)
+        latest_w.append(w)
+    with_stats = [i for i, (columns, _) in enumerate(logs) if _finite(columns, (SIGMA2, MU2))]
+    if not with_stats:
+        raise ValueError(f"{_and(names)}: no step has statistics (sigma2, mu2): log the run with "
+                         f"a policy that measures (adascale) or with measure=True")
+    p = with_stats[0]  # the run advised on: its statistics, policy, budget and configuration
+    log_dir, (columns, info) = names[p], logs[p]
+    stats = _finite(columns, (SIGMA2, MU2))
     latest = stats[-1]
     sigma2, mu2 = columns[SIGMA2][latest], columns[MU2][latest]
     cap = _max_gain(info)
     budget = budget if budget is not None else info.get("budget")
 
+    # Each W measured, from its own steps in every log; the others from the nearest measured W.
+    at: dict[int, list[Timings]] = {}
+    for found in groups:
+        for g in found:
+            at.setdefault(g.workers, []).append(g)
+    measured_w = sorted(at)
+    models = {w: fit(gs) for w, gs in at.items()}
     notes = []
-    if W == 1 and any(w != 1 for w in workers):  # no allreduce was measured to scale from
+    if max(measured_w) == 1 and any(w != 1 for w in workers):  # no allreduce to scale from
         workers = [1]
-        notes.append("a one-worker run measured no allreduce: only W = 1 is predicted")
-    here = dict(workers=W, passes=int(k[-1]), micro_batch=float(m[-1]))
-    measured = goodput.evaluate(model, sigma2, mu2, **here, base_batch=1.0, max_gain=cap)
-    grid = goodput.candidates(model, sigma2, mu2, workers=workers, passes=passes,
-                              micro_batches=[f * here["micro_batch"] for f in micro_batch_factors],
-                              base_batch=1.0, max_gain=cap)
+        notes.append("a one-worker run measured no allreduce: only W = 1 is predicted"
+                     + ("" if not several else " (give a log of a run at W > 1 beside it)"))
+    bases = {w: w if w in models else basis(w, measured_w) for w in workers}
+    W = latest_w[p]
+    here = dict(zip(("workers", "passes", "micro_batch"),
+                    next(g for g in groups[p] if g.workers == W).configuration))
+    measured = goodput.evaluate(models[W], sigma2, mu2, **here, base_batch=1.0, max_gain=cap)
+    grid = [c for w in workers
+            for c in goodput.candidates(models[bases[w]], sigma2, mu2, workers=[w], passes=passes,
+                                        micro_batches=[f * here["micro_batch"]
+                                                       for f in micro_batch_factors],
+                                        base_batch=1.0, max_gain=cap)]
     top = goodput.best(grid)
 
     def key(c: goodput.Candidate):
         return c.workers, c.passes, round(c.micro_batch, 9)
 
-    def extrapolated(c: goodput.Candidate) -> bool:  # a W the run did not measure
-        return c.workers != W
+    def extrapolated(c: goodput.Candidate) -> bool:  # a W no log measured
+        return c.workers not in models
+
+    # Every configuration a log measured (one a W of each log), marked; the one advised on first.
+    where: dict[tuple, list[str]] = {}
+    others = []
+    for found in groups:
+        for g in found:
+            c = goodput.evaluate(models[g.workers], sigma2, mu2, workers=g.workers,
+                                 passes=g.configuration[1], micro_batch=g.configuration[2],
+                                 base_batch=1.0, max_gain=cap)
+            if key(c) not in where and key(c) != key(measured):
+                others.append(c)
+            where.setdefault(key(c), []).append(g.log)
+    marks_of = {key(c): "measured" + (f" in {_and(dict.fromkeys(where[key(c)]))}" if several
+                                      else "")
+                for c in [measured, *others]}
 
     shown = sorted(grid, key=lambda c: -c.goodput)[:TOP]
-    extra = key(measured) not in {key(c) for c in shown}
-    if extra:
-        shown.append(measured)
+    keys = {key(c) for c in shown}
+    extra = [c for c in [measured, *others] if key(c) not in keys]
+    shown += extra
 
     steps = columns[STEP]
     slots = os.cpu_count()
-    shared = sharing(info, W)
+    unmeasured = [w for w in dict.fromkeys(workers) if w not in models]
+    from_basis = {b: [w for w in unmeasured if bases[w] == b] for b in measured_w}
+    from_basis = {b: ws for b, ws in from_basis.items() if ws}
+    warnings = {b: sharing(at[b][0].info, b) for b in from_basis}
     lines = [
-        f"hvd-scale advise: {log_dir}",
-        f"run: policy {info.get('policy', '?')}, W = {W}, k = {here['passes']}, "
-        f"m = {here['micro_batch']:g} baseline batches (S = {measured.scale:g}), "
-        f"{len(steps)} steps logged",
-        f"statistics at step {steps[latest]:g}: sigma2 = {sigma2:.4g}, mu2 = {mu2:.4g}, "
+        f"hvd-scale advise: {' '.join(names)}",
+        f"run{f' {log_dir}' if several else ''}: policy {info.get('policy', '?')}, W = {W}, "
+        f"k = {here['passes']}, m = {here['micro_batch']:g} baseline batches "
+        f"(S = {measured.scale:g}), {len(steps)} steps logged",
+        *[f"run {name}: policy {other_info.get('policy', '?')}, W = "
+          f"{_and(dict.fromkeys(g.workers for g in found))}, "
+          f"{len(other_columns[STEP])} steps logged; its step times only"
+          for i, (name, (other_columns, other_info), found) in enumerate(zip(names, logs, groups))
+          if i != p],
+        f"statistics at step {steps[latest]:g}{f' of {log_dir}' if several else ''}: "
+        f"sigma2 = {sigma2:.4g}, mu2 = {mu2:.4g}, "
         f"noise scale {sigma2 / mu2 if mu2 > 0 else math.inf:.3g} baseline batches"
         + (f"; gain capped at {cap:g} (the policy's max_gain)" if math.isfinite(cap) else ""),
-        f"step time, fitted to steps {steps[rows[0]]:g}-{steps[rows[-1]]:g} ({len(rows)} steps at "
-        f"W = {W}): per step {1e3 * model.per_step:.2f} ms, pass {1e3 * model.compute:.2f} ms, "
-        f"allreduce wait {1e3 * model.allreduce:.2f} ms, update {1e3 * model.update:.2f} ms, "
-        f"fit error {100 * model.error:.1f}%",
-        *([] if model.identified else [
-            "assumed: the step's own work (zero_grad, evaluation, logging) is charged to the "
-            "passes (one k measured and no pass timed alone): larger k is over-predicted"]),
-        *([f"extrapolated for W other than {W} (marked W*), not measured: their times come "
-           f"from the run at W = {W}: {ASSUMPTION}; the further from W = {W}, the less they "
-           f"say"] if set(workers) - {W} else []),
-        *([shared] if shared and set(workers) - {W} else []),
-        *(["assumed for another m: compute per pass in proportion to m (one m measured)"]
-          if set(micro_batch_factors) - {1} and model.per_sample is None else []),
-        *notes,
-        "",
     ]
+    for w in measured_w:
+        model = models[w]
+        spans = "; ".join(f"steps {g.first:g}-{g.last:g}" + (f" of {g.log}" if several else "")
+                          for g in at[w])
+        lines += [
+            f"step time, fitted to {spans} ({sum(len(g.passes) for g in at[w])} steps at "
+            f"W = {w}): per step {1e3 * model.per_step:.2f} ms, pass {1e3 * model.compute:.2f} "
+            f"ms, allreduce wait {1e3 * model.allreduce:.2f} ms, update "
+            f"{1e3 * model.update:.2f} ms, fit error {100 * model.error:.1f}%"]
+    unidentified = [w for w in measured_w if not models[w].identified]
+    if unidentified:
+        lines.append(f"assumed{f' at W = {_and(unidentified)}' if len(measured_w) > 1 else ''}: "
+                     f"the step's own work (zero_grad, evaluation, logging) is charged to the "
+                     f"passes (one k measured and no pass timed alone): larger k is "
+                     f"over-predicted")
+    if len(measured_w) > 1 and set(workers) & set(models):
+        lines.append(f"measured: W = {_and(measured_w)}, each W's rows from its own steps "
+                     f"(compute per pass and allreduce wait as measured at that W)")
+    if from_basis and len(measured_w) == 1:
+        lines.append(f"extrapolated for W other than {W} (marked W*), not measured: their times "
+                     f"come from the run at W = {W}: {ASSUMPTION}; the further from W = {W}, the "
+                     f"less they say")
+    elif from_basis:
+        lines.append(f"extrapolated for W other than {_and(measured_w)} (marked W*), not "
+                     f"measured: " + "; ".join(f"W = {_and(ws)} from the rows at W = {b}"
+                                                for b, ws in from_basis.items())
+                     + f": {ASSUMPTION}; the further from the W measured, the less they say")
+    lines += [message for message in warnings.values() if message]
+    if set(micro_batch_factors) - {1} and any(m.per_sample is None for m in models.values()):
+        lines.append("assumed for another m: compute per pass in proportion to m (one m "
+                     "measured)")
+    lines += [*notes, ""]
     header = (f"{'W':>3} {'k':>3} {'m':>6} {'S':>7} {'gain':>6} {'eff':>5} {'step ms':>9} "
               f"{'batches/s':>10} {'goodput':>9}" + (f" {'time to T':>10}" if budget else ""))
     lines += ["columns: W workers, k passes per step, m micro-batch and S = W k m in baseline "
               "batches; gain and eff(iciency) at S; batches/s of baseline batches computed; "
               "goodput in baseline steps of progress (tau) per second", header]
     for c in shown:
-        marks = [name for name, hit in (("measured", key(c) == key(measured)),
+        marks = [name for name, hit in ((marks_of.get(key(c)), key(c) in marks_of),
                                          ("recommended", c is top)) if hit]
         lines.append(
             f"{str(c.workers) + ('*' if extrapolated(c) else ''):>3} {c.passes:>3} {c.micro_batch:>6.3g} {c.scale:>7.4g} {c.gain:>6.2f} "
@@ -207,11 +342,16 @@ def advise(log_dir: str | pathlib.Path, *, workers: Sequence[int] = (1, 2, 4, 8)
     lines += [
         "",
         f"shown: the top {min(TOP, len(grid))} of {len(grid)} configurations by goodput "
-        f"(baseline steps of progress per second)" + (", and the measured one" if extra else ""),
+        f"(baseline steps of progress per second)"
+        + ((", and the measured one" if len(extra) == 1 else ", and the measured ones")
+           if extra else ""),
         f"recommended: W = {top.workers}, k = {top.passes}, m = {top.micro_batch:g} "
         f"(S = {top.scale:g}): {top.goodput / measured.goodput:.2f}x the measured goodput"
-        + (f" (W = {top.workers} extrapolated from W = {W}, not measured"
-           + (", whose workers shared a host: see the warning above" if shared else "") + ")"
+        + ((f" of W = {W}, k = {here['passes']}" + (f" ({log_dir})" if several else ""))
+           if others else "")
+        + (f" (W = {top.workers} extrapolated from W = {bases[top.workers]}, not measured"
+           + (", whose workers shared a host: see the warning above"
+              if warnings.get(bases[top.workers]) else "") + ")"
            if extrapolated(top) else "")
         + (f"; W = {top.workers} is more workers than this machine's {slots} CPU slots: they "
            "need more hosts (hvd-scale run -H)" if slots and top.workers > slots else "")

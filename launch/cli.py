@@ -207,7 +207,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     from hvd_scale.launch.advise import advise
 
     try:
-        print(advise(args.log_dir, workers=args.workers, passes=args.passes,
+        print(advise(args.log_dirs, workers=args.workers, passes=args.passes,
                      micro_batch_factors=args.micro_batch_factors, budget=args.budget,
                      window=args.window, plot=args.plot))
     except (FileNotFoundError, ValueError) as e:
@@ -303,10 +303,17 @@ def build_parser() -> argparse.ArgumentParser:
                            "(S=2->1->2 for an elastic run) follow it.")
 
     advise = sub.add_parser(
-        "advise", help="Rank workers, passes and micro-batch for a logged run by goodput.",
+        "advise", help="Rank workers, passes and micro-batch for logged runs by goodput.",
         description="From a run's log (--log-dir; torch or Keras), predict each "
-                    "configuration's gain, step time and goodput, and recommend the best.")
-    advise.add_argument("log_dir", metavar="LOGDIR", help="A directory written with --log-dir.")
+                    "configuration's gain, step time and goodput, and recommend the best. Given "
+                    "logs of runs at several W (or an elastic run's, whose rows carry several), "
+                    "each W measured is predicted from its own steps; any other W is an "
+                    "extrapolation from the nearest W measured, marked W* and named.")
+    advise.add_argument("log_dirs", nargs="+", metavar="LOGDIR",
+                        help="Directories written with --log-dir: the run advised on (its "
+                             "statistics, policy and budget: the first that has statistics), "
+                             "then runs at other W whose step times to use (a short run at W = 1 "
+                             "beside a W = 2 one, for example).")
     advise.add_argument("--workers", type=_positive_list(int), metavar="LIST",
                         default=[1, 2, 4, 8],
                         help="Workers W to consider, a comma list (default 1,2,4,8).")

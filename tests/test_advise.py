@@ -12,7 +12,7 @@ import pytest
 
 from hvd_scale import goodput
 from hvd_scale.adapters.log import MetricsLogger
-from hvd_scale.launch import cli
+from hvd_scale.launch import advise as advise_mod, cli
 from hvdrun import WORKERS_DIR, requires_horovod, run_horovod
 
 HVD_SCALE = Path(sys.executable).parent / "hvd-scale"
@@ -204,3 +204,137 @@ def test_a_real_two_worker_log_records_its_shared_host_and_advise_warns(tmp_path
     out = capsys.readouterr().out
     assert (f"warning: the per-pass time at W = 2 was measured with its workers sharing a host "
             f"(2 workers on {os.cpu_count()} CPUs)") in out
+
+
+# -- #48 item 2: runs at several W, each W from its own steps -------------------------------------
+
+SHARED_PASS, ALONE_PASS = 0.030, 0.010  # 2 workers on 2 cores: 3x the pass of one process alone
+
+
+def write_run(log_dir, *, workers, scale, pass_time, allreduce=ALLREDUCE, statistics=True,
+              host=None, stretches=None):
+    """A log of a run at ``workers`` (k = 1, m = 1 baseline batch, S = ``scale``) in the format
+    the adapters' MetricsLogger writes. ``stretches``: (first step, W, pass time) of an elastic
+    run's changes of W; the first steps of each are slow (Horovod re-forms its ring)."""
+    logger = MetricsLogger(log_dir, run_info={"policy": "adascale", "scale": scale,
+                                              "workers": workers, "backward_passes_per_step": 1,
+                                              **(host or {"host_cpus": 2,
+                                                          "workers_on_host": workers})},
+                           budget=BUDGET, progress_bar=False, tensorboard=False)
+    stretches = stretches or [(1, workers, pass_time)]
+    for step in range(1, STEPS + 1):
+        start, w, p = [s for s in stretches if s[0] <= step][-1]
+        s = float(w)  # S = W k m with k = 1, m = 1
+        row = {"step": step, "progress": step * s, "scale": s, "passes": 1, "workers": w}
+        if statistics:
+            row.update(sigma2=SIGMA2 * step / STEPS, mu2=MU2)
+        slow = 50.0 if step - start < 3 else 1.0
+        a = allreduce if w > 1 else 0.0
+        row.update(pass_time=p * slow, allreduce_time=a, update_time=UPDATE,
+                   step_time=p * slow + a + UPDATE)
+        logger.log(row)
+    logger.close()
+    return log_dir
+
+
+def table(out):
+    """{(W as printed, k): (step ms, marks)} of the report's table."""
+    rows = {}
+    for line in out.splitlines():
+        if line[:3].strip()[:1].isdigit():
+            words = line.split("<-")[0].split()
+            rows[(words[0], int(words[1]))] = (float(words[6]), line.partition("<-")[2].strip())
+    return rows
+
+
+def test_each_w_is_predicted_from_its_own_log(tmp_path, capsys):
+    """#48 item 2: on a log of 2 workers sharing 2 cores advise carried their per-pass time
+    (144 ms) to W = 1, where a pass took ~45 ms, and answered W = 1 against W = 2 backwards.
+    Given a W = 1 run's log beside it, W = 1's rows come from the W = 1 run's steps: here a pass
+    of 10 ms against the 30 ms two sharing workers took, and W = 1 is recommended, not W = 2."""
+    two = write_run(tmp_path / "w2", workers=2, scale=2.0, pass_time=SHARED_PASS)
+    one = write_run(tmp_path / "w1", workers=1, scale=1.0, pass_time=ALONE_PASS,
+                    statistics=False)  # one process at S = 1: nothing to measure
+    grid = ["--workers", "1,2", "--passes", "1,2"]
+
+    assert cli.main(["advise", str(two), *grid]) == 0  # W = 2 alone: W = 1 carries its pass
+    alone = capsys.readouterr().out
+    carried = table(alone)
+    assert carried[("1*", 1)][0] == pytest.approx(1e3 * (SHARED_PASS + UPDATE), abs=0.01)
+    assert "warning: the per-pass time at W = 2 was measured with its workers sharing a host " \
+           "(2 workers on 2 CPUs)" in alone
+    assert "recommended: W = 2, " in alone  # the backwards answer
+
+    assert cli.main(["advise", str(two), str(one), *grid]) == 0
+    out = capsys.readouterr().out
+    rows = table(out)
+    # W = 1 from the W = 1 log's own steps (no allreduce at one worker), 3x faster per pass.
+    assert rows[("1", 1)][0] == pytest.approx(1e3 * (ALONE_PASS + UPDATE), abs=0.01)
+    assert rows[("1", 2)][0] == pytest.approx(1e3 * (2 * ALONE_PASS + UPDATE), abs=0.01)
+    assert rows[("1", 1)][0] < carried[("1*", 1)][0] / 2
+    # W = 2 from its own (shared) steps, as before; neither measured W is marked extrapolated.
+    assert rows[("2", 1)][0] == pytest.approx(1e3 * (SHARED_PASS + ALLREDUCE + UPDATE), abs=0.01)
+    assert rows[("2", 1)][0] == carried[("2", 1)][0]
+    assert "pass 10.00 ms, allreduce wait 0.00 ms" in out and "pass 30.00 ms" in out
+    assert f"steps 82-100 of {one} (19 steps at W = 1)" in out  # each W its own latest 20%
+    assert f"steps 82-100 of {two} (19 steps at W = 2)" in out
+    assert "measured: W = 1 and 2, each W's rows from its own steps" in out
+    # Each measured configuration is marked with its log; the statistics are the W = 2 run's.
+    assert rows[("1", 1)][1] == f"measured in {one}"
+    assert rows[("2", 1)][1] == f"measured in {two}"
+    assert f"statistics at step {STEPS} of {two}:" in out
+    assert f"run {one}: policy adascale, W = 1, {STEPS} steps logged; its step times only" in out
+    # Both measured: nothing extrapolated, nothing to warn of.
+    assert "W*" not in out and "extrapolated" not in out and "warning" not in out
+    # The answer turns: one process alone does more per second than two sharing its cores.
+    assert f"recommended: W = 1, k = 2, m = 1 (S = 2): 1.64x the measured goodput of W = 2, " \
+           f"k = 1 ({two})" in out
+    assert rows[("1", 2)][1] == "recommended"
+    # The order of the logs does not matter: the first with statistics is the run advised on.
+    assert cli.main(["advise", str(one), str(two), *grid]) == 0
+    assert table(capsys.readouterr().out) == rows
+
+    # W = 4 and 8, which no log measured, are extrapolated from the nearest W above 1, named, and
+    # that W's workers shared a host: the warning stays.
+    assert cli.main(["advise", str(two), str(one), "--workers", "1,2,4,8", "--passes", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = table(out)
+    assert rows[("4*", 1)][0] == pytest.approx(
+        1e3 * (SHARED_PASS + ALLREDUCE * (3 / 4) / (1 / 2) + UPDATE), abs=0.01)
+    assert ("1", 1) in rows and ("2", 1) in rows and ("8*", 1) in rows
+    assert ("extrapolated for W other than 1 and 2 (marked W*), not measured: W = 4 and 8 from "
+            "the rows at W = 2: allreduce wait") in out
+    assert "warning: the per-pass time at W = 2 was measured with its workers sharing a host" in out
+    recommended = [w for (w, _), (_, marks) in rows.items() if "recommended" in marks]
+    if recommended[0].endswith("*"):
+        assert (f"(W = {recommended[0][:-1]} extrapolated from W = 2, not measured, whose "
+                f"workers shared a host: see the warning above)") in out
+
+
+def test_an_elastic_runs_rows_give_each_w_its_own_step_time(tmp_path, capsys):
+    """An elastic run 2 -> 1 -> 2 carries both W in its rows: W = 1 is measured (its stretch's
+    steps, the slow first ones after the change left out), not carried over from W = 2."""
+    log_dir = write_run(tmp_path / "elastic", workers=2, scale=2.0, pass_time=SHARED_PASS,
+                        stretches=[(1, 2, SHARED_PASS), (40, 1, ALONE_PASS),
+                                   (70, 2, SHARED_PASS)])
+    assert cli.main(["advise", str(log_dir), "--workers", "1,2,8", "--passes", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = table(out)
+    assert rows[("1", 1)][0] == pytest.approx(1e3 * (ALONE_PASS + UPDATE), abs=0.01)
+    assert rows[("2", 1)][0] == pytest.approx(1e3 * (SHARED_PASS + ALLREDUCE + UPDATE), abs=0.01)
+    assert rows[("1", 1)][1] == "measured" and rows[("2", 1)][1].startswith("measured")
+    assert "W = 8 from the rows at W = 2" in out and ("8*", 1) in rows
+
+
+def test_a_w_between_or_beyond_is_extrapolated_from_the_nearest_measured(tmp_path, capsys):
+    assert advise_mod.basis(1, [2, 4]) == 2       # one worker: any W will do, the nearest
+    assert advise_mod.basis(4, [1, 2]) == 2       # above 1: a W that had an allreduce
+    assert advise_mod.basis(3, [2, 4]) == 4       # by ratio
+    assert advise_mod.basis(16, [1, 2, 8]) == 8
+    assert advise_mod.basis(2, [1]) is None       # no allreduce measured to scale from
+    # Two one-worker logs and no statistics anywhere: said, naming both.
+    a = write_run(tmp_path / "a", workers=1, scale=1.0, pass_time=ALONE_PASS, statistics=False)
+    b = write_run(tmp_path / "b", workers=1, scale=1.0, pass_time=ALONE_PASS, statistics=False)
+    assert cli.main(["advise", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert f"{a} and {b}: no step has statistics" in err
