@@ -8,6 +8,7 @@ import csv
 import math
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,38 @@ def test_the_tape_pair(tmp_path):
         assert policy != "linear" or len(rows) == 50
         assert all(math.isfinite(float(r["loss"])) for r in rows)  # log_loss after each step
         assert "log_loss()" not in after.stderr
+
+
+def epoch_test_losses(out: str) -> list[float]:
+    """The loader pair's test loss after each pass over the data (rank 0's lines)."""
+    return [float(x) for x in re.findall(r"Test set: Average loss: ([0-9.]+)", out)]
+
+
+@pytest.mark.timeout(300)
+def test_the_loader_pair(tmp_path):
+    """#48: a fourth Horovod script converted from the site alone, Horovod's pytorch_mnist.py
+    whole (a DataLoader over a DistributedSampler, a test after each epoch averaged over the
+    workers). At S = 1 (one process each, no launcher) the conversion under the default policy
+    trains as the original, test loss for test loss, through an epoch whose last batch is smaller
+    (3200 samples in batches of 48: the budget counts ceil(samples / batch) steps an epoch). At
+    S = 2 AdaScale reaches the budget in fewer steps than S = 1's 67, each step's loss logged."""
+    args = ["--epochs", "1", "--batch-size", "48", "--lr", "0.05", "--momentum", "0.9"]
+    script = {name: str(EXAMPLES / f"horovod_loader_{name}.py") for name in ("before", "after")}
+    with ThreadPoolExecutor(2) as pool:  # two single processes: the 2 cores at once
+        before, after = pool.map(
+            lambda name: run_process([sys.executable, script[name], *args], timeout=150,
+                                     env=worker_env(), what=name), ("before", "after"))
+    assert "hvd_scale: policy adascale at S = 1" in after.stderr
+    assert "budget T = 67 baseline steps" in after.stderr
+    assert epoch_test_losses(after.stdout) == epoch_test_losses(before.stdout) != []
+    log_dir = tmp_path / "adascale"
+    ada = run_process([str(HVD_SCALE), "run", "-np", "2", "--gloo", "--log-dir", str(log_dir),
+                       "--", sys.executable, script["after"], *args],
+                      timeout=180, env=worker_env(), what="hvd-scale run")
+    assert "hvd_scale: policy adascale at S = 2" in ada.stderr
+    with open(log_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert float(rows[-1]["progress"]) >= 67 and 34 <= len(rows) < 67
+    assert all(1 <= float(r["gain"]) <= 2 and math.isfinite(float(r["loss"])) for r in rows)
+    losses = epoch_test_losses(ada.stdout)
+    assert len(losses) == 2 and losses[-1] < 2.0, ada.stdout[-2000:]  # 2 passes; chance: 2.30
