@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
+from hvd_scale.estimate import check_scale
 from hvd_scale.policies import Policy
 from hvd_scale.run import RunState
 from hvd_scale.spec import agree_across_ranks, resolve_policy
@@ -27,26 +28,26 @@ def check_base_lrs(base_lrs: Mapping[str, Any]) -> None:
                              "a finite number > 0 (the policy multiplies it)")
 
 
-def agreed_policy(hvd, *, policy: "str | Policy | None", scale: float | None,
+def agreed_policy(hvd, *, policy: "str | Policy | None", scale: float,
                   budget: float | None, passes: int, optimizer_name: str,
                   base_lrs: Mapping[str, Any], check: Callable[[Policy], None] | None,
                   settings: Callable[[Policy], Mapping[str, Any]], elastic: bool) -> Policy:
-    """The policy built on every rank (S defaults to workers x k), checked (base lrs, the
-    optimizer, ``check``) and compared with ``settings`` across ranks in one allgather."""
+    """The policy built on every rank for a run at S = ``scale``, checked (base lrs, the
+    optimizer, ``check``) and compared with S and ``settings`` across ranks in one allgather."""
 
     def build() -> Policy:
         check_base_lrs(base_lrs)
-        micro_gradients = hvd.size() * passes
-        built = resolve_policy(policy, scale=float(micro_gradients) if scale is None else scale,
-                               budget=budget, optimizer=optimizer_name,
-                               micro_gradients=micro_gradients)
+        check_scale(scale)
+        built = resolve_policy(policy, scale=scale, budget=budget, optimizer=optimizer_name,
+                               micro_gradients=hvd.size() * passes)
         if check is not None:
             check(built)
         return built
 
     allgather = None if hvd.size() == 1 or elastic else \
         (lambda obj: hvd.allgather_object(obj, name="hvd_scale.spec"))
-    return agree_across_ranks(build, allgather, settings)
+    return agree_across_ranks(build, allgather,
+                              lambda built: {"scale": float(scale), **settings(built)})
 
 
 def agree_on_state(hvd, run: RunState, elastic: bool) -> None:

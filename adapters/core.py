@@ -7,6 +7,7 @@ apply. No framework is imported here: the Horovod module is passed in (``Horovod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -42,6 +43,73 @@ def precondition(grad, second_moment, correction, eps, sqrt):
     return grad / (sqrt(second_moment / correction) + eps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the user asked of the run: the ``DistributedOptimizer``'s own arguments, as given
+    (checked by ``Scaling``; the policy and S agreed across ranks there).
+
+    policy: a spec string, a ``Policy``, or None (``$HVD_SCALE_POLICY``, else adascale).
+    passes: k, backward passes per step; S defaults to workers x k.
+    scale: S when the baseline batch is not a micro-batch.
+    budget: T in baseline steps.
+    measure: take statistics although the policy does not need them; default: when the policy
+        needs them or metrics are logged. Not at S = 1 with one micro-gradient a step (one
+        process, k = 1, not elastic, k not adapted): there is nothing to measure, and a later
+        change of k or S that would need statistics is refused (``hvd_scale.run.check_layout``).
+    nonfinite: "skip" a step with non-finite gradients on every rank, or "raise".
+    log_dir: per-step metrics on rank 0; None: none (the adapter resolves
+        ``$HVD_SCALE_LOG_DIR``: ``environment.log_dir``).
+    log_every: steps between rows (``adapters.log.due``; the adapter resolves
+        ``$HVD_SCALE_LOG_EVERY``: ``environment.log_every``).
+    """
+
+    policy: str | Policy | None = None
+    passes: int = 1
+    scale: float | None = None
+    budget: float | None = None
+    measure: bool | None = None
+    nonfinite: str = "skip"
+    log_dir: str | None = None
+    log_every: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Framework:
+    """What an adapter knows of the optimizer it wraps and where it runs.
+
+    optimizer_name: the wrapped optimizer's class name (the policy checks its theory).
+    name: recorded in run.json ("torch", "keras/tensorflow", ...).
+    groups: parameter groups (one sum and one |g_bar|^2 each).
+    base_lrs: the groups' baseline lrs where they are numbers (checked finite and > 0), as a
+        sequence (named ``param_groups[i]`` in errors) or a mapping {name: lr}.
+    lr_names: how errors name each group's lr at a step; default "lr" for one group, else
+        ``param_groups[i]['lr']``.
+    eps_placement: where the framework's Adam puts eps (``hvd_scale.moments``).
+    short_steps: the framework can take a step with fewer micro-batches than workers x k
+        (torch: a leftover batch at an epoch's end; uneven passes across ranks); such a step is
+        accounted at its own scale, S x n / (workers x k). Else a count other than workers x k
+        is an error.
+    elastic: under Horovod elastic (``environment.elastic``): no collective at set-up, where a
+        joining worker builds its optimizer while the others train.
+    check: the adapter's own check of its set-up, given the built policy: a ValueError it
+        raises is reported on every rank in the set-up's one allgather.
+    agreed: further values every rank must share (e.g. an lr schedule's config); with the
+        policy's spec, S, T, passes, base lrs, measure, nonfinite, groups and the guard's
+        settings they are compared across ranks in the one allgather at set-up.
+    """
+
+    optimizer_name: str
+    name: str
+    groups: int = 1
+    base_lrs: Sequence[Any] | Mapping[str, Any] = ()
+    lr_names: Sequence[str] | None = None
+    eps_placement: str = EPS_CORRECTED
+    short_steps: bool = False
+    elastic: bool = False
+    check: Callable[[Policy], None] | None = None
+    agreed: Mapping[str, Any] | None = None
+
+
 class Scaling:
     """A policy run by an adapter: set-up checks, the host side of each step, logs and the run's
     record (``hvd_scale.run.RunState``: the one value a step changes, replaced each step by the
@@ -49,131 +117,93 @@ class Scaling:
 
     Args:
         hvd: the framework's Horovod module (``HorovodBinding``).
-        policy: a spec string, a ``Policy``, or None (``$HVD_SCALE_POLICY``, else adascale).
-        passes: k, backward passes per step; S defaults to workers x k.
-        scale: S when the baseline batch is not a micro-batch.
-        budget: T in baseline steps.
-        optimizer_name: the wrapped optimizer's class name (the policy checks its theory).
-        framework: recorded in run.json ("torch", "keras/tensorflow", ...).
-        groups: parameter groups (one sum and one |g_bar|^2 each).
-        base_lrs: the groups' baseline lrs where they are numbers (checked finite and > 0), as a
-            sequence (named ``param_groups[i]`` in errors) or a mapping {name: lr}.
-        agreed: further values every rank must share (e.g. an lr schedule's config); with the
-            policy's spec, S, T, passes, base lrs, measure, nonfinite, groups and the guard's
-            settings they are compared across ranks in the one allgather at set-up.
-        measure: take statistics although the policy does not need them; default: when the
-            policy needs them or metrics are logged. Not at S = 1 with one micro-gradient a
-            step (one process, k = 1, not elastic, k not adapted): there is nothing to measure,
-            and a later change of k or S that would need statistics is refused
-            (``hvd_scale.run.check_layout``).
-        log_dir: per-step metrics on rank 0; None: none (the adapter resolves
-            ``$HVD_SCALE_LOG_DIR``: ``environment.log_dir``).
-        log_every: steps between rows (``adapters.log.due``; the adapter resolves
-            ``$HVD_SCALE_LOG_EVERY``: ``environment.log_every``).
-        elastic: under Horovod elastic (``environment.elastic``): no collective at set-up, where a
-            joining worker builds its optimizer while the others train.
-        nonfinite: "skip" a step with non-finite gradients on every rank, or "raise".
-        short_steps: the framework can take a step with fewer micro-batches than workers x k
-            (torch: a leftover batch at an epoch's end; uneven passes across ranks); such a step
-            is accounted at its own scale, S x n / (workers x k). Else a count other than
-            workers x k is an error.
+        request: what the user asked (``Request``).
+        framework: what the adapter knows of its optimizer (``Framework``).
+        adaptation: adapt="goodput"'s settings (``adapt.Adaptation``): the ranks agree on k
+            every ``every`` steps (``adapted_passes``); the adapter applies it (``set_passes``).
+            None: k stays.
         guard: a ``hvd_scale.guard.SharpnessGuard`` capping lr x factor; the adapter measures
             the sharpness when ``guard_due()`` and hands it to ``guard.update``.
-        check: the adapter's own check of its set-up, given the built policy: a ValueError it
-            raises is reported on every rank in the set-up's one allgather.
-        lr_names: how errors name each group's lr at a step; default "lr" for one group, else
-            ``param_groups[i]['lr']``.
-        eps_placement: where the framework's Adam puts eps (``hvd_scale.moments``).
-        adapt, max_passes, adapt_every: "goodput" to let the ranks agree on k (up to
-            ``max_passes``) every ``adapt_every`` steps (``adapted_passes``); the adapter applies
-            it (``set_passes``).
     """
 
-    def __init__(self, hvd, *, policy: str | Policy | None, passes: int, scale: float | None,
-                 budget: float | None, optimizer_name: str, framework: str, groups: int = 1,
-                 base_lrs: Sequence[Any] | Mapping[str, Any] = (),
-                 measure: bool | None = None,
-                 log_dir: str | None = None, nonfinite: str = "skip", short_steps: bool = False,
-                 guard: SharpnessGuard | None = None, agreed: Mapping[str, Any] | None = None,
-                 check: Callable[[Policy], None] | None = None, elastic: bool = False,
-                 lr_names: Sequence[str] | None = None, eps_placement: str = EPS_CORRECTED,
-                 adapt: str | None = None, max_passes: int | None = None,
-                 adapt_every: int = ADAPT_EVERY, log_every: int | None = None):
+    def __init__(self, hvd, request: Request, framework: Framework, *,
+                 adaptation: Adaptation | None = None, guard: SharpnessGuard | None = None):
         self.hvd = hvd
-        self.elastic = elastic
-        self.lr_names = tuple(lr_names) if lr_names is not None else None
+        self.framework = framework
         if guard is not None:
             if not isinstance(guard, SharpnessGuard):
                 raise TypeError(f"guard must be a hvd_scale.guard.SharpnessGuard, got {type(guard).__name__}")
-            stability_limit(1.0, optimizer=optimizer_name)  # an optimizer it has no limit for: now
+            # An optimizer it has no limit for: now.
+            stability_limit(1.0, optimizer=framework.optimizer_name)
         self.guard = guard
-        passes = check_passes(passes)
-        self.adaptation = Adaptation(adapt, max_passes, adapt_every, passes, measure)
-        if self.adaptation.adapt is not None:
+        passes = check_passes(request.passes)
+        measure = request.measure
+        self.adaptation = adaptation = adaptation or Adaptation(None, None, ADAPT_EVERY, passes,
+                                                                measure)
+        if adaptation.adapt is not None:
             measure = True  # the gain at another k needs sigma2 and mu2
         self.clock = StepClock()
         self._timing = self.clock.lap(passes, hvd.size())  # times nan: no step timed yet
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
-        self.groups = groups
-        self.optimizer_name = optimizer_name
+        if request.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {request.nonfinite!r}")
+        scale = float(hvd.size() * passes) if request.scale is None else request.scale
+        log_dir = request.log_dir
 
         def measured(built: Policy) -> bool:
             # One micro-gradient at S = 1 (one process, k = 1, not elastic, k fixed) measures
             # nothing, and the gain is 1 by definition: no statistics, no per-tensor work. A
             # later change of k or S that would need them is refused (run.check_layout).
-            if built.scale == 1 and hvd.size() * passes == 1 and not elastic \
-                    and self.adaptation.adapt is None and measure is None:
+            if scale == 1 and hvd.size() * passes == 1 and not framework.elastic \
+                    and adaptation.adapt is None and measure is None:
                 return False
             return bool(built.uses_statistics or log_dir is not None if measure is None else measure)
 
+        base_lrs = framework.base_lrs
         base_lrs = dict(base_lrs) if isinstance(base_lrs, Mapping) else \
             {f"param_groups[{i}]": lr for i, lr in enumerate(base_lrs)}
         guard_settings = None if guard is None else {
             "every": guard.every, "iterations": guard.iterations, "tol": guard.tol,
             "margin": guard.margin}
         built = agreement.agreed_policy(
-            hvd, policy=policy, scale=scale, budget=budget, passes=passes,
-            optimizer_name=optimizer_name, base_lrs=base_lrs, check=check, elastic=elastic,
+            hvd, policy=request.policy, scale=scale, budget=request.budget, passes=passes,
+            optimizer_name=framework.optimizer_name, base_lrs=base_lrs, check=framework.check,
+            elastic=framework.elastic,
             settings=lambda built: {
                 "backward_passes_per_step": passes, "lr": base_lrs,
-                "parameter groups": groups, "measure": measured(built), "nonfinite": nonfinite,
-                "guard": guard_settings, **self.adaptation.settings(), **(agreed or {})})
-        self.setup = runs.Setup(policy=built, groups=groups, nonfinite=nonfinite,
-                                short_steps=short_steps, eps_placement=eps_placement,
-                                max_passes=self.adaptation.max_passes,
-                                min_passes=self.adaptation.min_passes)
+                "parameter groups": framework.groups, "measure": measured(built),
+                "nonfinite": request.nonfinite, "guard": guard_settings,
+                **adaptation.settings(), **(framework.agreed or {})})
+        self.setup = runs.Setup(policy=built, groups=framework.groups, nonfinite=request.nonfinite,
+                                short_steps=framework.short_steps,
+                                eps_placement=framework.eps_placement,
+                                max_passes=adaptation.max_passes,
+                                min_passes=adaptation.min_passes)
         # Decided alike on every rank (compared above): the statistics allreduce must run on all
         # of them or none.
-        self.run = runs.start(self.setup, scale=built.scale, passes=passes, workers=hvd.size(),
+        self.run = runs.start(self.setup, scale=float(scale), passes=passes, workers=hvd.size(),
                               measure=measured(built))
         self.logger = None if log_dir is None else MetricsLogger(
             log_dir, rank=hvd.rank, budget=built.budget,  # rank 0 of the moment writes
-            run_info={"policy": built.spec, "scale": built.scale,
+            run_info={"policy": built.spec, "scale": self.run.scale,
                       "workers": hvd.size(), "backward_passes_per_step": passes,
-                      "optimizer": optimizer_name, "framework": framework}, every=log_every)
+                      "optimizer": framework.optimizer_name, "framework": framework.name},
+            every=request.log_every)
         self._state_agreed = False  # agree_on_state() ran
         if hvd.rank() == 0:  # what runs, said once: the policy is often chosen by a flag
             print(self.start_line(log_dir), file=sys.stderr, flush=True)
 
     # -- the run's record, read --------------------------------------------------------------------
     @property
-    def rule(self) -> Policy:
+    def policy(self) -> Policy:
         """The policy's configuration (spec, statistics, horizons): fixed for the run."""
         return self.setup.policy
-
-    @property
-    def policy(self) -> Policy:
-        """The policy at the run's record and S: a view for reading (a new object each read;
-        changing it changes nothing)."""
-        return self.setup.policy.with_state(self.run.policy, self.run.scale)
 
     passes = property(lambda self: self.run.passes, doc="k, backward passes per step")
     measure = property(lambda self: self.run.measure, doc="statistics are taken")
     last_lr = property(lambda self: self.run.last_lr, doc="the lr the latest step applied")
 
     def start_line(self, log_dir: str | None) -> str:
-        policy, run = self.rule, self.run
+        policy, run = self.policy, self.run
         how = ("a fixed factor" if not policy.uses_statistics else
                f"the gain measured each step from {run.micro_gradients} micro-gradients"
                if run.measure else
@@ -202,7 +232,8 @@ class Scaling:
             loss_scale=None if loss_scale is None else float(loss_scale), workers=workers,
             count=None if count is None else int(count),
             max_lr=None if guard is None or math.isinf(guard.limit) else guard.limit)
-        self.run, plan, info = runs.host_step(self.setup, self.run, inputs, self.lr_names)
+        self.run, plan, info = runs.host_step(self.setup, self.run, inputs,
+                                               self.framework.lr_names)
         if info is not None and self.logger is not None:
             self.logger.step(self.run.policy.steps, self.metrics)
         return plan
@@ -216,7 +247,7 @@ class Scaling:
         ``agreement.agree_on_state``. One small allgather per job; none under elastic."""
         if not self._state_agreed:
             self._state_agreed = True
-            agreement.agree_on_state(self.hvd, self.run, self.elastic)
+            agreement.agree_on_state(self.hvd, self.run, self.framework.elastic)
 
     def guard_due(self) -> bool:
         """The next step should measure the sharpness first (alike on every rank)."""
@@ -270,7 +301,7 @@ class Scaling:
         choice = run.passes
         if self.hvd.rank() == 0:
             policy = self.policy
-            estimator = policy.estimator
+            estimator = policy.estimator(run.policy, run.scale)
             choice = self.adaptation.choose(self.clock, sigma2=estimator.sigma2, mu2=estimator.mu2,
                                             scale=run.scale, passes=run.passes,
                                             workers=run.workers,
@@ -284,12 +315,12 @@ class Scaling:
         return choice
 
     # -- what is read --------------------------------------------------------------------------------
-    def metrics(self, policy: Policy | None = None) -> dict[str, float]:
-        """``hvd_scale.metrics.STEP_METRICS``: the policy's (``policy``: a view of the record,
-        default this run's), the lr the latest step applied, and the guard's (nan and inf
-        without one)."""
+    def metrics(self, run: RunState | None = None) -> dict[str, float]:
+        """``hvd_scale.metrics.STEP_METRICS``: the policy's at the record ``run`` (default the
+        one held), the lr the latest step applied, and the guard's (nan and inf without one)."""
+        run = self.run if run is None else run
         guard = UNGUARDED_METRICS if self.guard is None else self.guard.metrics()
-        return {**(policy or self.policy).metrics(), "lr": self.run.last_lr, **guard,
+        return {**self.policy.metrics(run.policy, run.scale), "lr": run.last_lr, **guard,
                 **self._timing}
 
     # -- checkpoints and broadcasts: the whole record, validated before anything changes --------

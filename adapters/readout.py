@@ -1,38 +1,67 @@
 """The read-only values an adapter's optimizer shows, and its metrics row (names:
-``hvd_scale.metrics``)."""
+``hvd_scale.metrics``): each a function of the run's record (``run_state``) and the policy's
+configuration, read at the record's S."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from hvd_scale.policies import Policy
+from hvd_scale.run import RunState
 
 
 class Readout:
-    """The read-only values an adapter's optimizer shows (it has ``policy`` and ``scaling``)."""
+    """The read-only values an adapter's optimizer shows (it has ``scaling``)."""
 
-    policy: Policy
     scaling: Any  # core.Scaling
 
-    gain = property(lambda self: self.policy.gain, doc="measured gain r in [1, S]")
-    lr_factor = property(lambda self: self.policy.lr_factor,
-                         doc="factor the latest step applied to the baseline lr")
-    progress = property(lambda self: self.policy.progress, doc="tau, in baseline steps")
-    scale = property(lambda self: self.policy.scale, doc="S")
-    sigma2 = property(lambda self: self.policy.estimator.sigma2, doc="smoothed sigma2")
-    mu2 = property(lambda self: self.policy.estimator.mu2, doc="smoothed mu2")
-    noise_scale = property(lambda self: self.policy.estimator.noise_scale, doc="sigma2 / mu2")
-    efficiency = property(lambda self: self.policy.efficiency, doc="the applied gain over S")
-    last_learning_rate = property(lambda self: self.scaling.run.last_lr,
+    @property
+    def policy(self) -> Policy:
+        """The policy: a frozen configuration (spec, options, budget); the run's values are
+        read here (``progress``, ``gain``, ...) or from ``run_state``."""
+        return self.scaling.policy
+
+    @property
+    def run_state(self) -> RunState:
+        """The run's record (``hvd_scale.run.RunState``): steps, tau, the estimates, S, k."""
+        return self.scaling.run
+
+    def _at_s(self, read):
+        run = self.run_state
+        return read(self.scaling.policy, run.policy, run.scale)
+
+    steps = property(lambda self: self.run_state.policy.steps, doc="optimizer steps applied")
+    skipped = property(lambda self: self.run_state.policy.skipped,
+                       doc="steps skipped (non-finite gradients)")
+    progress = property(lambda self: self.run_state.policy.progress, doc="tau, in baseline steps")
+    scale = property(lambda self: self.run_state.scale, doc="S")
+    gain = property(lambda self: self._at_s(lambda p, state, s: p.gain(state, s)),
+                    doc="the gain r in [1, S] a step at S applies")
+    efficiency = property(lambda self: self._at_s(lambda p, state, s: p.efficiency(state, s)),
+                          doc="the applied gain over S")
+    sigma2 = property(lambda self: self._at_s(lambda p, state, s: p.estimator(state, s).sigma2),
+                      doc="smoothed sigma2")
+    mu2 = property(lambda self: self._at_s(lambda p, state, s: p.estimator(state, s).mu2),
+                   doc="smoothed mu2")
+    noise_scale = property(
+        lambda self: self._at_s(lambda p, state, s: p.estimator(state, s).noise_scale),
+        doc="sigma2 / mu2")
+    lr_factor = property(lambda self: self._at_s(lambda p, state, s: p.metrics(state, s)["lr_factor"]),
+                         doc="factor the latest step applied to the baseline lr (nan before any)")
+    last_learning_rate = property(lambda self: self.run_state.last_lr,
                                   doc="lr the latest step applied: baseline lr x lr_factor")
+
+    def factor(self) -> float:
+        """The factor the next step would apply at this S (from the estimates so far)."""
+        return self._at_s(lambda p, state, s: p.factor(state, s))
 
     def metrics(self) -> dict[str, float]:
         """``hvd_scale.metrics.STEP_METRICS`` as floats (host values: read them eagerly)."""
-        return self.scaling.metrics(self.policy)
+        return self.scaling.metrics(self.run_state)
 
     def done(self, budget: float | None = None) -> bool:
         """True once progress tau has reached the budget (baseline steps)."""
-        return self.policy.done(budget)
+        return self.scaling.policy.done(self.run_state.policy, budget)
 
     def rescale(self, scale: float | None = None) -> None:
         """New S; default: follow the world size, keeping S / (workers x k)."""
@@ -48,8 +77,8 @@ class Readout:
 
         ``loss.backward(); opt.step(); opt.log_loss(loss.detach())``"""
         if self.scaling.logger is not None:
-            policy = self.policy  # the run's counts: which step the loss is for
-            self.scaling.logger.set_loss(loss, step=policy.steps, skipped=policy.skipped)
+            record = self.run_state.policy  # the run's counts: which step the loss is for
+            self.scaling.logger.set_loss(loss, step=record.steps, skipped=record.skipped)
 
     def close(self) -> None:
         """Flush and close the metrics files."""

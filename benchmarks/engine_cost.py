@@ -1,10 +1,11 @@
-"""Per-step cost of the hvd_scale engine on the host: Policy.step with gradient statistics.
+"""Per-step cost of the hvd_scale engine on the host: Policy.transition with gradient statistics.
 
     .venv/bin/python benchmarks/engine_cost.py [--repeat 2000] [--number 10] [--output PATH]
 
-Times ``policy.step(sqnorm_sum, mean_sqnorm, n)`` (the estimator update, the gain, the factor and
-tau: everything the engine adds to an optimizer step, not counting the reduction of the statistics
-or the norms themselves) for AdaScale and for a fixed rule (linear, which with statistics also
+Times ``state, info = policy.transition(state, sqnorm_sum, mean_sqnorm, n, scale=S)`` (the
+estimator update, the gain, the factor and tau, and the new state record: everything the engine
+adds to an optimizer step, not counting the reduction of the statistics or the norms themselves)
+for AdaScale and for a fixed rule (linear, which with statistics also
 updates the estimator for logging), with 1 and with 100 parameter groups. Statistics are numpy
 float64 arrays, as the adapters pass them. Each timing is one timeit repetition of ``--number``
 consecutive steps, the cases taking turns; the table gives the median (and the 10th/90th percentiles) over ``--repeat``
@@ -51,9 +52,14 @@ def statistics(groups: int, seed: int = 0):
 
 
 def make_timer(spec: str, with_stats: bool, groups: int) -> timeit.Timer:
-    policy = make_policy(spec, scale=SCALE)
-    s, q, n = statistics(groups)
-    step = (lambda: policy.step(s, q, n)) if with_stats else policy.step
+    policy = make_policy(spec)
+    s, q, n = statistics(groups) if with_stats else (None, None, None)
+    state = policy.init()
+
+    def step():  # one transition; the record is carried from step to step, as a caller does
+        nonlocal state
+        state, _ = policy.transition(state, s, q, n, scale=SCALE)
+
     for _ in range(200):  # warm-up
         step()
     return timeit.Timer(step)
@@ -130,7 +136,8 @@ def main(argv=None) -> int:
     text = "\n".join([
         "# Engine cost per optimizer step (host, numpy)",
         "",
-        f"`Policy.step(sqnorm_sum, mean_sqnorm, n)` at S = {SCALE:g}, n = {N_MICRO}; timeit, "
+        f"`Policy.transition(state, sqnorm_sum, mean_sqnorm, n, scale=S)` at S = {SCALE:g}, "
+        f"n = {N_MICRO}; timeit, "
         f"{args.repeat} repetitions of {args.number} steps each; microseconds per step "
         "(median, 10th and 90th percentile over the repetitions). Excludes computing the norms "
         "and reducing the statistics vector.",

@@ -237,7 +237,7 @@ class Runner:
 
 def peak_factor(rule: str, S: int, budget: int) -> float:
     """The rule's lr factor at S once its warm-up is over (the engine's own formula)."""
-    return make_policy(rule, scale=S, budget=budget).rule_factor(budget, S, 1.0)
+    return make_policy(rule, budget=budget).rule_factor(budget, S, 1.0)
 
 
 def matched_grid(rule: str, best: float, nxt: str, S: int, budget: int) -> list[float]:

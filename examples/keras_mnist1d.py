@@ -82,12 +82,12 @@ class Report(keras.callbacks.Callback):
         self.optimizer, self.gains = optimizer, []
 
     def on_train_batch_end(self, batch, logs=None):
-        policy = self.optimizer.policy
-        if policy.steps > len(self.gains):
-            self.gains.append(self.optimizer.gain)
-        if policy.skipped >= self.MAX_SKIPPED:  # the same count on every rank
+        opt = self.optimizer
+        if opt.steps > len(self.gains):
+            self.gains.append(opt.gain)
+        if opt.skipped >= self.MAX_SKIPPED:  # the same count on every rank
             if hvd.rank() == 0:
-                print(f"stopping: {policy.skipped} steps had non-finite gradients", flush=True)
+                print(f"stopping: {opt.skipped} steps had non-finite gradients", flush=True)
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     _, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
     result = {"rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale,
               "steps": int(opt.iterations.numpy()), "progress": opt.progress,
-              "skipped": opt.policy.skipped,
+              "skipped": opt.skipped,
               "test_accuracy": float(accuracy),
               "mean_gain": float(np.mean(report.gains)) if report.gains else 1.0}
     if hvd.rank() == 0:

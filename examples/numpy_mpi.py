@@ -6,7 +6,7 @@
 
 No framework and no adapter: the model's gradient is written out in numpy, gradients are averaged
 with mpi4py, and hvd_scale only sees the statistics (pack_local -> a reducer -> unpack_summed ->
-policy.step). Every micro-batch is a function of (seed, rank, step, pass), so one process playing
+policy.transition). Every micro-batch is a function of (seed, rank, step, pass), so one process playing
 all the ranks (--reference-world N, with hvd_scale.reduce.LocalReducer) sees exactly the same data
 and measures the same gains as N processes.
 """
@@ -100,35 +100,38 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     world = ReferenceWorld(args.reference_world) if args.reference_world else MPIWorld()
     # S = micro-gradients per step (each micro-batch is one baseline batch); optimizer="SGD"
-    # rejects a policy without theory for plain SGD (adascale_adam).
-    policy = hvd_scale.make_policy(args.policy, scale=world.size * args.passes,
-                                   budget=args.budget, optimizer="SGD")
+    # rejects a policy without theory for plain SGD (adascale_adam). The policy is a frozen
+    # configuration; the run's record (steps, tau, the estimates) is ``state``, S an argument.
+    scale = float(world.size * args.passes)
+    policy = hvd_scale.make_policy(args.policy, budget=args.budget, optimizer="SGD")
+    state = policy.init()
     teacher = 2.0 * rng(args.seed, TEACHER).standard_normal((FEATURES + 1, CLASSES))
     held_out = sample(rng(args.seed, EVAL), teacher, 4096)
     w = np.zeros((FEATURES + 1, CLASSES))  # the same start everywhere: nothing to broadcast
     loss_before = loss(w, *held_out)
 
     gains = []
-    while not policy.done():
+    while not policy.done(state):
         # Rank by rank, then summed in rank order: the reference adds exactly what MPI adds.
-        parts = [rank_part(w, teacher, args, r, policy.steps) for r in world.ranks]
+        parts = [rank_part(w, teacher, args, r, state.steps) for r in world.ranks]
         summed = world.reducer.sum(sum(stats for _, stats in parts))  # one tiny allreduce
         sqnorm_sum, n = unpack_summed(summed, 1)
         g_bar = world.allreduce_sum(sum(g for g, _ in parts)) / n    # the gradient allreduce
         # |g_bar|^2 needs no communication: every rank holds the same averaged gradient.
-        info = policy.step(sqnorm_sum, [float(np.sum(g_bar * g_bar))], n)
+        state, info = policy.transition(state, sqnorm_sum, [float(np.sum(g_bar * g_bar))], n,
+                                        scale=scale)
         # A baseline schedule is evaluated at progress tau (here a constant lr).
         w -= hvd_scale.lr_at(args.lr, info.progress_before) * info.lr_factor * g_bar
         gains.append(info.gain)
 
     loss_after = loss(w, *held_out)
     if world.rank == 0:
-        print(f"{policy.spec} at S={policy.scale:g} ({world.size} ranks x {args.passes} passes): "
-              f"{policy.steps} steps for {policy.progress:.1f} baseline steps, mean gain "
+        print(f"{policy.spec} at S={scale:g} ({world.size} ranks x {args.passes} passes): "
+              f"{state.steps} steps for {state.progress:.1f} baseline steps, mean gain "
               f"{np.mean(gains):.2f}; held-out loss {loss_before:.4f} -> {loss_after:.4f}")
     result = {"rank": world.rank, "size": world.size, "reference": bool(args.reference_world),
-              "policy": policy.spec, "scale": policy.scale, "steps": policy.steps, "gains": gains,
-              "progress": policy.progress, "weights": w.ravel().tolist(),
+              "policy": policy.spec, "scale": scale, "steps": state.steps, "gains": gains,
+              "progress": state.progress, "weights": w.ravel().tolist(),
               "checksum": hashlib.sha256(w.tobytes()).hexdigest()[:16],
               "loss_before": loss_before, "loss_after": loss_after}
     if args.report:

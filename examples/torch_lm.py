@@ -129,11 +129,11 @@ def main(argv=None) -> dict:
         gains.append(opt.gain)
         if args.eval_every and opt.progress >= next_eval:
             t0 = time.perf_counter()
-            curve.append((t0 - start - eval_seconds, opt.progress, opt.policy.steps, *evaluate(model, test)))
+            curve.append((t0 - start - eval_seconds, opt.progress, opt.steps, *evaluate(model, test)))
             eval_seconds += time.perf_counter() - t0
             next_eval = (math.floor(opt.progress / args.eval_every) + 1) * args.eval_every
-        if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
-            print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
+        if hvd.rank() == 0 and args.log_every and opt.steps % args.log_every == 0:
+            print(f"step {opt.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
                   f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.5f}  loss {loss.item():.3f}",
                   flush=True)
     elapsed = time.perf_counter() - start - eval_seconds
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     summary = {
         "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
         "accumulate": args.accumulate, "final_passes": opt.backward_passes_per_step,
-        "steps": opt.policy.steps, "progress": opt.progress, "test_loss": test_loss,
+        "steps": opt.steps, "progress": opt.progress, "test_loss": test_loss,
         "test_accuracy": accuracy, "mean_gain": float(np.mean(gains)) if gains else 1.0,
         "seconds": elapsed, "seed": args.seed, "curve": curve,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),

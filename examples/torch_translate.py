@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
     # numbers, so the training is the same with or without it.
     curve, eval_seconds, next_eval = [], 0.0, args.eval_every
     start = time.perf_counter()
-    while not opt.done() and opt.policy.steps < max_steps:
+    while not opt.done() and opt.steps < max_steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
         opt.zero_grad()
@@ -217,12 +217,12 @@ def main(argv=None) -> dict:
         if args.eval_every and opt.progress >= next_eval:
             t0 = time.perf_counter()
             if hvd.rank() == 0:
-                curve.append((t0 - start - eval_seconds, opt.progress, opt.policy.steps,
+                curve.append((t0 - start - eval_seconds, opt.progress, opt.steps,
                               held_out_bleu(model, data)[0]))
             eval_seconds += time.perf_counter() - t0
             next_eval = (math.floor(opt.progress / args.eval_every) + 1) * args.eval_every
-        if hvd.rank() == 0 and args.log_every and opt.policy.steps % args.log_every == 0:
-            print(f"step {opt.policy.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
+        if hvd.rank() == 0 and args.log_every and opt.steps % args.log_every == 0:
+            print(f"step {opt.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
                   f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.5f}  loss {loss.item():.3f}",
                   flush=True)
     elapsed = time.perf_counter() - start - eval_seconds
@@ -231,8 +231,8 @@ def main(argv=None) -> dict:
     summary = {
         "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
         "accumulate": args.accumulate, "final_passes": opt.backward_passes_per_step,
-        "optimizer": args.optimizer, "steps": opt.policy.steps, "progress": opt.progress,
-        "skipped": opt.policy.skipped, "bleu": score,
+        "optimizer": args.optimizer, "steps": opt.steps, "progress": opt.progress,
+        "skipped": opt.skipped, "bleu": score,
         "final_loss": float(np.mean(losses[-20:])) if losses else None,
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed,
         "eval_seconds": time.perf_counter() - start - elapsed, "seed": args.seed, "curve": curve,

@@ -27,18 +27,15 @@ string, ``name`` or ``name:key=value,...``, as given to ``--policy`` or ``HVD_SC
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from typing import Any, Callable, ClassVar, Mapping
-
-import numpy as np
 
 from .estimate import (GainEstimator, check_smoothing, check_scale, default_smoothing,
                        estimated_gain, fold)
 from .metrics import POLICY_METRICS
 from .moments import bias_correction, moment_progress
-from .state import PROGRESS_INDEX, STEPS_INDEX, PolicyState
+from .state import PolicyState
 
 # Which optimizers a policy has theory for, by class name (torch.optim and keras.optimizers agree).
 SGD_FAMILY = frozenset({"SGD"})
@@ -131,16 +128,23 @@ def check_budget(budget: Any) -> float | None:
 # -- the policies ------------------------------------------------------------------------------
 
 class Policy:
-    """A rule: its configuration (the class, its options, T, the EMA's theta), a pure transition
-    over the state record (``hvd_scale.state.PolicyState``), and, for the adapters, the S it runs
-    at and the record it holds.
+    """A rule: its configuration (the class, its options, T, the EMA's theta) and pure functions
+    over the state record (``hvd_scale.state.PolicyState``) at a step's S. A policy holds no
+    state and no S: the record is the caller's (optax's ``init`` / ``update`` over explicit
+    state), and S is an argument of every function that depends on it.
 
     The math is ``transition(state, statistics, scale=S) -> (state, StepInfo)``: the lr factor,
     tau's advance and the estimates as functions of the record and this step's S, nothing else.
-    Every position is in progress (tau), so S is only ever an argument: a change of S (``rescale``)
-    moves no position by itself, and a fixed rule's factor is its rule's value at the new S.
-    ``step()`` runs the transition on the record held and replaces it; ``state`` can be read and
-    assigned (a broadcast, a Keras variable) without building anything.
+    Every position is in progress (tau), so a change of S moves no position by itself, and a
+    fixed rule's factor is its rule's value at the new S. A run's whole record (S, k, the skips,
+    ...) and the host step around ``transition`` are ``hvd_scale.run``'s.
+
+        policy = make_policy("adascale", budget=T)
+        state = policy.init()
+        while not policy.done(state):
+            ...
+            state, info = policy.transition(state, sqnorm_sum, mean_sqnorm, n, scale=S)
+            lr = schedule(info.progress_before) * info.lr_factor
 
     Every policy measures the gain when it is given statistics (so sigma2, mu2, the noise scale
     and the efficiency can be logged for any policy); only AdaScale's lr depends on it.
@@ -181,7 +185,7 @@ class Policy:
             type(self).parse_options(rest, spec=spec) == \
             type(self).parse_options(self.spec.partition(":")[2])
 
-    def __init__(self, *, scale: float, budget: float | None = None, smoothing: float | None = None,
+    def __init__(self, *, budget: float | None = None, smoothing: float | None = None,
                  **options: Any):
         for option, usage in self.required.items():
             if options.get(option) is None:
@@ -189,8 +193,18 @@ class Policy:
         self._options = options
         self._smoothing = check_smoothing(smoothing)
         self.budget = check_budget(budget)
-        self._scale = check_scale(scale)
-        self.state = PolicyState()
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"a policy is a frozen configuration: {name!r} cannot be set "
+                                 "(build another with make_policy; the run's state is a record "
+                                 "of its own, hvd_scale.state.PolicyState)")
+        super().__setattr__(name, value)
+
+    def init(self) -> PolicyState:
+        """The record before a run's first step."""
+        return PolicyState()
 
     # -- the rule: pure functions of the record and S (what a subclass defines) ----------------
     def rule_factor(self, progress: float, scale: float, gain: float) -> float:
@@ -201,8 +215,9 @@ class Policy:
         """How far tau moves for a step at scale S with gain r (a fixed rule: S)."""
         return scale
 
-    def rule_gain(self, state: PolicyState, scale: float) -> float:
-        """The gain a step at scale S applies, from the estimates in ``state``."""
+    def gain(self, state: PolicyState, scale: float) -> float:
+        """The gain a step at scale S applies, from the estimates in ``state`` (adascale_adam:
+        capped)."""
         return estimated_gain(state.estimator, scale)
 
     def theta(self, scale: float) -> float:
@@ -236,73 +251,26 @@ class Policy:
         elif self.uses_statistics and scale > 1 and require_statistics:
             raise ValueError(f"policy {self.name!r} needs gradient statistics every step")
         measured = dataclasses.replace(state, estimator=estimator)
-        gain = self.rule_gain(measured, scale)
+        gain = self.gain(measured, scale)
         factor = _capped(self.rule_factor(state.progress, scale, gain), max_factor)
         progress = state.progress + self.advance(scale, gain)
         after = dataclasses.replace(measured, steps=state.steps + 1, progress=progress,
                                     lr_factor=factor)
         return after, StepInfo(after.steps, factor, state.progress, progress, gain)
 
-    # -- the record held, at the S the job runs at ----------------------------------------------
-    def step(self, sqnorm_sum=None, mean_sqnorm=None, n: int | None = None, *,
-             scale: float | None = None, max_factor: float | None = None) -> StepInfo:
-        """Account one optimizer step (``transition`` on the record held) and return what it
-        applies. ``scale``: this step's own S when it differs from the policy's, e.g. a short step
-        with fewer micro-batches than announced (S x n / n_announced); the policy's S stays."""
-        self.state, info = self.transition(self.state, sqnorm_sum, mean_sqnorm, n,
-                                           scale=self.scale if scale is None else scale,
-                                           max_factor=max_factor)
-        return info
-
-    def skip(self) -> None:
-        """Count a skipped step (non-finite gradients): nothing else changes."""
-        self.state = dataclasses.replace(self.state, skipped=self.state.skipped + 1)
-
-    def rescale(self, new_scale: float) -> None:
-        """A new S (workers joined or left, k changed): the record is in baseline units and stays."""
-        self._scale = check_scale(new_scale)
-
-    def follow_workers(self, before: int, after: int) -> None:
-        """The job went from ``before`` to ``after`` workers (a Horovod elastic resize): S changes
-        in proportion, so a scale given for another baseline batch stays consistent."""
-        if after == before:
-            return
-        scale = self.scale * after / before
-        if scale < 1:
-            raise ValueError(
-                f"the job went from {before} to {after} worker(s), which would take S from "
-                f"{self.scale:g} to {scale:g}, below the baseline batch (S >= 1): no policy is "
-                f"defined there (nothing was changed). Give the job at least "
-                f"{math.ceil(before / self.scale)} workers (horovodrun --min-np), or more "
-                "backward passes per step")
-        self.rescale(scale)
-
-    def with_state(self, state: PolicyState, scale: float | None = None) -> "Policy":
-        """A shallow copy holding ``state`` (at ``scale``; default this one's S): a view of a
-        run's record for reading (the configuration is shared, never changed)."""
-        other = copy.copy(self)
-        other.state = state
-        if scale is not None:
-            other._scale = check_scale(scale)
-        return other
-
-    def done(self, budget: float | None = None) -> bool:
-        """True once tau has reached the budget T (baseline steps)."""
+    def done(self, state: PolicyState, budget: float | None = None) -> bool:
+        """True once tau has reached the budget T (baseline steps; default the policy's)."""
         budget = self.budget if budget is None else check_budget(budget)
         if budget is None:
             raise ValueError("done() needs a budget in baseline steps (none was given to the policy)")
-        return self.progress >= budget
+        return state.progress >= budget
 
-    def second_moment_correction(self, beta2: float, steps: float) -> float:
+    def second_moment_correction(self, state: PolicyState, beta2: float, steps: float) -> float:
         """The bias correction of Adam's v after the framework's ``steps`` updates: 1 - beta2 **
         steps (with adascale_adam's horizons in progress, 1 - beta2 ** tau)."""
         return bias_correction(beta2, steps)
 
-    # -- what can be read and logged ------------------------------------------------------------
-    steps = property(lambda self: self.state.steps, doc="optimizer steps applied")
-    progress = property(lambda self: self.state.progress, doc="tau, in baseline steps")
-    skipped = property(lambda self: self.state.skipped, doc="steps skipped (non-finite)")
-
+    # -- the configuration ----------------------------------------------------------------------
     @property
     def spec(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.spec_options().items())
@@ -319,92 +287,47 @@ class Policy:
             opts["smoothing"] = self._smoothing
         return opts
 
-    @property
-    def scale(self) -> float:
-        return self._scale
-
-    @property
-    def estimator(self) -> GainEstimator:
-        """The estimates at this S, as a ``GainEstimator`` (a view: changing it changes nothing)."""
-        view = GainEstimator(self._scale, smoothing=self._smoothing)
-        view.state = self.state.estimator
+    # -- what a record gives at S: read, never changed --------------------------------------------
+    def estimator(self, state: PolicyState, scale: float) -> GainEstimator:
+        """The estimates at S, as a ``GainEstimator`` (a copy: changing it changes nothing)."""
+        view = GainEstimator(scale, smoothing=self._smoothing)
+        view.state = state.estimator
         return view
 
-    @property
-    def gain(self) -> float:
-        """The gain a step at this S would apply (adascale_adam: capped), from the estimates."""
-        return self.rule_gain(self.state, self._scale)
+    def efficiency(self, state: PolicyState, scale: float) -> float:
+        """The gain a step at S would apply over S: the fraction of linear speed-up."""
+        return self.gain(state, scale) / scale
 
-    @property
-    def efficiency(self) -> float:
-        """The gain a step at this S would apply over S: the fraction of linear speed-up."""
-        return self.gain / self._scale
+    def factor(self, state: PolicyState, scale: float) -> float:
+        """The factor the next step at S would apply (from the estimates so far)."""
+        return self.rule_factor(state.progress, scale, self.gain(state, scale))
 
-    def factor(self) -> float:
-        """The factor the next step would apply at this S (from the estimates so far)."""
-        return self.rule_factor(self.progress, self._scale, self.gain)
-
-    @property
-    def lr_factor(self) -> float:
-        """The factor the latest step applied to the baseline lr (nan before any step);
-        ``factor()`` is the one the next step would get."""
-        applied = self.state.lr_factor
-        return math.nan if applied is None else applied
-
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, state: PolicyState, scale: float) -> dict[str, float]:
         """``hvd_scale.metrics.POLICY_METRICS`` as floats (Keras logs, CSV, TensorBoard).
-        ``lr_factor`` is the factor the latest step applied; ``factor()`` gives the next one;
-        ``gain`` and ``efficiency`` are the gain a step applies (adascale_adam's capped) at S."""
-        est = self.estimator
-        values = {"step": float(self.steps), "progress": self.progress, "scale": self.scale,
-                  "gain": self.gain, "lr_factor": self.lr_factor, "sigma2": est.sigma2,
-                  "mu2": est.mu2, "noise_scale": est.noise_scale, "efficiency": self.efficiency,
-                  "skipped": float(self.skipped)}
+        ``lr_factor`` is the factor the latest step applied (nan before any); ``factor()`` gives
+        the next one; ``gain`` and ``efficiency`` are the gain a step at S applies
+        (adascale_adam's capped)."""
+        est = self.estimator(state, scale)
+        gain = self.gain(state, scale)
+        values = {"step": float(state.steps), "progress": state.progress, "scale": float(scale),
+                  "gain": gain,
+                  "lr_factor": math.nan if state.lr_factor is None else state.lr_factor,
+                  "sigma2": est.sigma2, "mu2": est.mu2, "noise_scale": est.noise_scale,
+                  "efficiency": gain / scale, "skipped": float(state.skipped)}
         return {k: values[k] for k in POLICY_METRICS}
 
     # -- checkpoints (the forms and versions: ``hvd_scale.state``) ------------------------------
-    def state_dict(self) -> dict:
-        return self.state.to_dict(spec=self.spec, scale=self._scale, smoothing=self._smoothing)
-
-    def load_state_dict(self, d: Mapping) -> None:
-        """Restore steps, tau and estimates. The scale stays this job's own (resize on resume).
-
-        The checkpoint must come from the same policy spec (older versions are migrated,
-        ``hvd_scale.state.migrate``); nothing changes on any error.
-        """
-        state = self.load_state(d)
-        if None not in (self.state.groups, state.groups) and self.state.groups != state.groups:
-            raise ValueError(f"checkpoint has statistics for {state.groups} parameter group(s), "
-                             f"this optimizer has {self.state.groups}")
-        self.state = state
+    def state_dict(self, state: PolicyState, scale: float) -> dict:
+        """``state``'s dict form, saved with this policy's spec and the S it ran at."""
+        return state.to_dict(spec=self.spec, scale=scale, smoothing=self._smoothing)
 
     def load_state(self, d: Mapping) -> PolicyState:
         """The record of a checkpoint's dict saved by this policy's spec (any version, migrated:
-        ``hvd_scale.state.migrate``); ValueError naming the difference, nothing held changes."""
+        ``hvd_scale.state.migrate``); ValueError naming the difference."""
         return PolicyState.from_dict(d, spec=self.spec, accepts=self.same_spec)
 
-    # The record as one float64 vector, for frameworks that keep it in a variable of their own
-    # (Keras: an optimizer variable that checkpoints and broadcasts carry). The layout is the
-    # engine's (``hvd_scale.state``): an adapter stores, broadcasts and returns the vector
-    # without reading it, but for these two entries, which a framework may read in its graph.
-    STEPS_INDEX = STEPS_INDEX
-    PROGRESS_INDEX = PROGRESS_INDEX
-
-    @staticmethod
-    def state_vector_size(groups: int) -> int:
-        return PolicyState.vector_size(groups)
-
-    def state_vector(self, groups: int) -> np.ndarray:
-        """The record as ``state_vector_size(groups)`` floats (zeros for estimates not yet made)."""
-        return self.state.to_vector(groups)
-
-    def load_state_vector(self, vector, groups: int) -> None:
-        """Hold the record ``state_vector`` saved (this policy's spec, scale and theta stay)."""
-        self.state = PolicyState.from_vector(vector, groups)
-
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(spec={self.spec!r}, scale={self.scale:g}, " \
-               f"steps={self.steps}, progress={self.progress:g})"
+        return f"{type(self).__name__}(spec={self.spec!r})"
 
 
 _SMOOTHING = {"smoothing": (_theta, "EMA theta of the gain statistics in [0, 1); "
@@ -484,7 +407,7 @@ class WarmupScaling(Policy):
                         "baseline_steps=4000"}
     DEFAULT_FRACTION = 0.055  # the AdaScale paper's LSW baseline
 
-    def __init__(self, *, scale, budget=None, baseline_steps=None, fraction=None, rule=None,
+    def __init__(self, *, budget=None, baseline_steps=None, fraction=None, rule=None,
                  alpha=None, factor=None, **kw):
         if baseline_steps is not None and fraction is not None:
             raise ValueError("policy 'warmup' takes baseline_steps= or fraction=, not both")
@@ -504,7 +427,7 @@ class WarmupScaling(Policy):
                              "(baseline steps): pass budget=, or give warmup:baseline_steps=N")
         extra = {k: v for k, v in (("rule", rule), ("alpha", alpha), ("factor", factor))
                  if v is not None and not (k == "rule" and v == "linear")}
-        super().__init__(scale=scale, budget=budget, **options, **extra, **kw)
+        super().__init__(budget=budget, **options, **extra, **kw)
 
     @property
     def span(self) -> float:
@@ -615,13 +538,13 @@ class AdaScaleAdam(AdaScale):
                 del opts[option]
         return opts
 
-    def second_moment_correction(self, beta2: float, steps: float) -> float:
+    def second_moment_correction(self, state, beta2: float, steps: float) -> float:
         # With horizons in progress the exponents applied so far (the gain of each step) add up
         # to tau, plus the framework's steps the policy did not account, as gain 1
         # (``moment_progress``).
         if not self.moments_in_progress:
             return bias_correction(beta2, steps)
-        return bias_correction(beta2, moment_progress(self.progress, self.steps, int(steps)))
+        return bias_correction(beta2, moment_progress(state.progress, state.steps, int(steps)))
 
     # The gain a step applies is capped (``max_gain``): measured on B4 (benchmarks/README.md), at
     # S = 128 the gain climbs to the 50s late in the schedule, where beta1^r = 0.9^50 leaves Adam
@@ -638,7 +561,7 @@ class AdaScaleAdam(AdaScale):
         default = self.DEFAULT_MAX_GAIN if self.moments_in_progress else math.inf
         return self._options.get("max_gain", default)
 
-    def rule_gain(self, state: PolicyState, scale: float) -> float:
+    def gain(self, state: PolicyState, scale: float) -> float:
         """The measured gain capped at ``max_gain``, and 1 while Adam's v has too little history
         (``MIN_ADAM_HISTORY``): the r a step applies."""
         if state.steps < self.MIN_ADAM_HISTORY:

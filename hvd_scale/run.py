@@ -193,6 +193,9 @@ def start(setup: Setup, *, scale: float, passes: int, workers: int, measure: boo
 def check_layout(setup: Setup, run: RunState, why: str = "") -> None:
     """ValueError when the policy cannot run at ``run``'s layout (the module's table)."""
     policy = setup.policy
+    if not math.isfinite(run.scale):
+        raise ValueError(f"hvd_scale: {why}S = {run.scale!r}: S must be a finite number >= 1 "
+                         "(the step's batch over the baseline batch; nothing was changed)")
     if run.scale < 1:
         raise ValueError(f"hvd_scale: {why}S = {run.scale:g} is below the baseline batch "
                          "(S >= 1): no policy is defined there (nothing was changed). Give the "

@@ -45,23 +45,22 @@ def describe_policies() -> list[tuple[str, str, dict[str, str]]]:
             for name, cls in POLICIES.items()]
 
 
-def make_policy(spec: str | None = None, *, scale: float, budget: float | None = None,
+def make_policy(spec: str | None = None, *, budget: float | None = None,
                 optimizer: str | None = None) -> "Policy":
-    """Build a policy from a spec string (None: ``$HVD_SCALE_POLICY``, else 'adascale').
+    """Build a policy from a spec string (None: ``$HVD_SCALE_POLICY``, else 'adascale'): a
+    frozen configuration; S is an argument of its functions, the record the caller's.
 
-    scale: S, the step's batch over the baseline batch (workers x backward passes by default).
     budget: T, the baseline steps to train for (needed by ``warmup:fraction=...``).
     optimizer: the optimizer's class name; a policy without theory for it raises ValueError.
     """
     if spec is None and os.environ.get(POLICY_ENV):
         try:
-            return make_policy(os.environ[POLICY_ENV], scale=scale, budget=budget,
-                               optimizer=optimizer)
+            return make_policy(os.environ[POLICY_ENV], budget=budget, optimizer=optimizer)
         except ValueError as e:  # say where the spec came from: the launcher or the shell
             raise ValueError(f"${POLICY_ENV}={os.environ[POLICY_ENV]!r} (set by hvd-scale run "
                              f"--policy, or in the environment): {e}") from e
     name, options = parse_spec(DEFAULT_POLICY if spec is None else spec)
-    policy = POLICIES[name](scale=scale, budget=budget, **options)
+    policy = POLICIES[name](budget=budget, **options)
     if optimizer is not None:
         policy.check_optimizer(optimizer)
     return policy
@@ -69,21 +68,19 @@ def make_policy(spec: str | None = None, *, scale: float, budget: float | None =
 
 def resolve_policy(policy: "str | Policy | None", *, scale: float, budget: float | None = None,
                    optimizer: str | None = None, micro_gradients: int | None = None) -> "Policy":
-    """What an adapter builds its policy with: a spec (or None: the environment) or a ``Policy``
-    (rescaled to ``scale``); checks the optimizer, and that the variance is measurable
-    (``micro_gradients`` per step, over all workers)."""
+    """What an adapter builds its policy with: a spec (or None: the environment) or a ``Policy``;
+    checks the optimizer, and that the variance is measurable at S = ``scale`` with
+    ``micro_gradients`` per step, over all workers."""
     check_budget(budget)  # also where a given Policy keeps its own
     given = policy
     if isinstance(policy, Policy):
         if optimizer is not None:
             policy.check_optimizer(optimizer)
-        if policy.scale != scale:
-            policy.rescale(scale)
     else:
-        policy = make_policy(policy, scale=scale, budget=budget, optimizer=optimizer)
+        policy = make_policy(policy, budget=budget, optimizer=optimizer)
     check_policy_source(given, policy)
-    if policy.uses_statistics and micro_gradients == 1 and policy.scale > 1:
-        raise ValueError(f"policy {policy.name!r} at scale {policy.scale:g} needs at least 2 "
+    if policy.uses_statistics and micro_gradients == 1 and scale > 1:
+        raise ValueError(f"policy {policy.name!r} at scale {scale:g} needs at least 2 "
                          "micro-gradients per step to measure the variance, got 1 worker x 1 "
                          "backward pass: use backward_passes_per_step >= 2, more workers, or a "
                          "fixed policy")
@@ -97,7 +94,7 @@ def check_policy_source(given: "str | Policy | None", policy: "Policy") -> None:
     env = os.environ.get(POLICY_ENV)
     if given is None or not env:
         return
-    flag = make_policy(None, scale=policy.scale, budget=policy.budget)  # names $HVD_SCALE_POLICY on error
+    flag = make_policy(None, budget=policy.budget)  # names $HVD_SCALE_POLICY on error
     if flag.spec != policy.spec:
         raise ValueError(f"the code asks for policy {policy.spec!r} while ${POLICY_ENV}={env!r} (set "
                          f"by hvd-scale run --policy, or in the environment) asks for {flag.spec!r}: "
@@ -113,8 +110,8 @@ def agree_across_ranks(build: "Callable[[], Policy]",
     ValueError on every rank (naming each rank's value) instead of one rank failing while the
     others wait in a collective, or the replicas training apart.
 
-    Compared: the policy's spec (name and options), scale S and budget T, and what
-    ``settings(policy)`` adds (an adapter's passes, base lrs, ...: comparable, picklable values).
+    Compared: the policy's spec (name and options) and budget T, and what ``settings(policy)``
+    adds (an adapter's S, passes, base lrs, ...: comparable, picklable values).
     ``allgather=None``: a single process."""
     built, error = None, None
     try:
@@ -125,8 +122,7 @@ def agree_across_ranks(build: "Callable[[], Policy]",
         if error:
             raise ValueError(error)
         return built
-    values = None if built is None else {"policy": built.spec, "scale": built.scale,
-                                         "budget": built.budget,
+    values = None if built is None else {"policy": built.spec, "budget": built.budget,
                                          **(settings(built) if settings else {})}
     seen = allgather((values, error))  # the one collective: everything travels in it
     errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(seen) if err]

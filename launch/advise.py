@@ -58,8 +58,7 @@ def _finite(columns: dict[str, list[float]], names: Sequence[str]) -> list[int]:
 def _max_gain(info: dict) -> float:
     """The policy's cap on the gain (adascale_adam's max_gain), else inf."""
     try:
-        policy = make_policy(info.get("policy"), scale=float(info.get("scale", 1.0)),
-                             budget=info.get("budget"))
+        policy = make_policy(info.get("policy"), budget=info.get("budget"))
     except (TypeError, ValueError):  # a spec this version cannot build: no cap known
         return math.inf
     return float(getattr(policy, "max_gain", math.inf))

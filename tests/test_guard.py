@@ -68,17 +68,18 @@ def test_guard_schedule_cap_and_state():
 
 @pytest.mark.parametrize("spec", ["linear", "warmup:baseline_steps=32", "adascale", "adascale_adam"])
 def test_the_cap_lowers_the_applied_factor_not_progress(spec):
-    free, capped = make_policy(spec, scale=8), make_policy(spec, scale=8)
+    free, capped = make_policy(spec), make_policy(spec)
+    free_state, capped_state = free.init(), capped.init()
     rng = np.random.default_rng(0)
     for _ in range(25):
         stats = (float(rng.uniform(8, 16)), float(rng.uniform(0.5, 1.0)), 8)
-        a = free.step(*stats)
-        b = capped.step(*stats, max_factor=1.2)
-        assert b.lr_factor == min(a.lr_factor, 1.2) and capped.lr_factor == b.lr_factor
+        free_state, a = free.transition(free_state, *stats, scale=8)
+        capped_state, b = capped.transition(capped_state, *stats, scale=8, max_factor=1.2)
+        assert b.lr_factor == min(a.lr_factor, 1.2) and capped_state.lr_factor == b.lr_factor
         assert b.progress == a.progress and b.gain == a.gain
-    assert free.lr_factor > 1.2  # the cap did bind
+    assert free_state.lr_factor > 1.2  # the cap did bind
     with pytest.raises(ValueError, match="max_factor must be > 0, got 0.0"):
-        capped.step(*stats, max_factor=0.0)
+        capped.transition(capped_state, *stats, scale=8, max_factor=0.0)
 
 
 # -- power iteration against exact eigenvalues ----------------------------------------------------

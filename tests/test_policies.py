@@ -1,11 +1,14 @@
-"""Policies: the factor each rule promises, progress tau, checkpoints, resizes and bad input.
+"""Policies: the factor each rule promises, progress tau, checkpoints, changes of S and bad input.
 
-Pure engine tests: numpy and hypothesis only (no torch, TensorFlow or Horovod).
+A policy is a frozen configuration (issue #47): the record is a ``PolicyState`` the test holds,
+S an argument of every step and every reading. Pure engine tests: numpy and hypothesis only (no
+torch, TensorFlow or Horovod).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -17,8 +20,11 @@ from hypothesis import strategies as st
 
 import hvd_scale
 from hvd_scale import GainEstimator, available_policies, make_policy, parse_spec
+from hvd_scale import run as runs
+from hvd_scale.run import RunState, Setup
 from hvd_scale.spec import resolve_policy
 from hvd_scale.estimate import gain_ratio
+from hvd_scale.state import PolicyState
 
 BUDGET = 1000.0
 
@@ -49,8 +55,35 @@ def test_registry_is_what_the_reference_lists():
                                          "adascale_adam", "power", "fixed", "legw"}
 
 
-def build(spec: str, scale: float) -> hvd_scale.Policy:
-    return make_policy(spec, scale=scale, budget=BUDGET)
+def build(spec: str) -> hvd_scale.Policy:
+    return make_policy(spec, budget=BUDGET)
+
+
+def run_steps(policy: hvd_scale.Policy, scale: float, count: int,
+              state: PolicyState | None = None) -> tuple[PolicyState, list]:
+    """``count`` transitions at S = ``scale`` without statistics, from ``state`` (default: the
+    record before a first step): (the record after them, their StepInfos)."""
+    state = policy.init() if state is None else state
+    infos = []
+    for _ in range(count):
+        state, info = policy.transition(state, scale=scale)
+        infos.append(info)
+    return state, infos
+
+
+def test_a_policy_is_a_frozen_configuration():
+    """#47: a policy holds no state and no S; a run's record is the caller's."""
+    policy = make_policy("adascale")
+    assert policy.init() == PolicyState()
+    assert policy.init().lr_factor is None
+    state, info = policy.transition(policy.init(), [8.0], [1.25], 4, scale=4)
+    assert (state.steps, state.progress, state.lr_factor) == (1, info.progress, info.lr_factor)
+    assert policy.init() == PolicyState()  # the step changed the record returned, not the policy
+    assert repr(policy) == "AdaScale(spec='adascale')"
+    for name, value in (("budget", 10.0), ("state", state), ("_scale", 8.0)):
+        with pytest.raises(AttributeError, match="frozen configuration"):
+            setattr(policy, name, value)
+    assert policy.budget is None and not hasattr(policy, "state")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,66 +102,74 @@ scales = st.one_of(st.integers(min_value=1, max_value=512).map(float),
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def policy_state_equal(a: hvd_scale.Policy, b: hvd_scale.Policy) -> None:
-    assert a.state_dict() == b.state_dict()
-    # lr_factor: what the latest step applied, nan (in both) before any step
-    assert a.lr_factor == b.lr_factor or math.isnan(a.lr_factor) and math.isnan(b.lr_factor)
-    assert a.gain == b.gain and a.progress == b.progress
+def policy_state_equal(pa: hvd_scale.Policy, a: PolicyState, pb: hvd_scale.Policy,
+                       b: PolicyState, scale: float) -> None:
+    assert pa.state_dict(a, scale) == pb.state_dict(b, scale)
+    # lr_factor: what the latest step applied, None (in both) before any step
+    assert a.lr_factor == b.lr_factor
+    assert pa.gain(a, scale) == pb.gain(b, scale) and a.progress == b.progress
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Checkpoints and resizes, for every policy.
+# 1. Checkpoints and changes of S, for every policy.
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 @SETTINGS
 @given(scale=scales, groups=st.integers(1, 3), data=st.data(),
        past=st.integers(0, 6), through_json=st.booleans())
 def test_policy_state_round_trip_gives_identical_future(spec, scale, groups, data, past, through_json):
-    policy = build(spec, scale)
+    policy = build(spec)
+    state = policy.init()
     for _ in range(past):
-        policy.step(*data.draw(stats(groups)))
-    state = policy.state_dict()
+        state, _ = policy.transition(state, *data.draw(stats(groups)), scale=scale)
+    saved = policy.state_dict(state, scale)
     if through_json:
-        state = json.loads(json.dumps(state))
-    twin = build(spec, scale)
-    twin.load_state_dict(state)
-    policy_state_equal(twin, policy)
-    assert twin.steps == policy.steps == past
+        saved = json.loads(json.dumps(saved))
+    twin = build(spec)
+    twin_state = twin.load_state(saved)
+    policy_state_equal(twin, twin_state, policy, state, scale)
+    assert twin_state.steps == state.steps == past
     for _ in range(4):
         s, q, n = data.draw(stats(groups))
-        assert twin.step(s, q, n) == policy.step(s, q, n)  # StepInfo: factor, progress, gain
-        policy_state_equal(twin, policy)
+        twin_state, twin_info = twin.transition(twin_state, s, q, n, scale=scale)
+        state, info = policy.transition(state, s, q, n, scale=scale)
+        assert twin_info == info  # StepInfo: factor, progress, gain
+        policy_state_equal(twin, twin_state, policy, state, scale)
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_policy_round_trip_without_statistics_for_fixed_rules_and_scale_one(spec):
     # A fixed rule may run without statistics; AdaScale only at S = 1.
     scale = 1.0 if spec.startswith("adascale") else 6.0
-    policy = build(spec, scale)
+    policy = build(spec)
+    state, _ = run_steps(policy, scale, 5)
+    twin = build(spec)
+    twin_state = twin.load_state(json.loads(json.dumps(policy.state_dict(state, scale))))
     for _ in range(5):
-        policy.step()
-    twin = build(spec, scale)
-    twin.load_state_dict(json.loads(json.dumps(policy.state_dict())))
-    for _ in range(5):
-        assert twin.step() == policy.step()
+        twin_state, twin_info = twin.transition(twin_state, scale=scale)
+        state, info = policy.transition(state, scale=scale)
+        assert twin_info == info
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 @SETTINGS
 @given(scale=scales, new_scale=scales, data=st.data())
 def test_rescale_keeps_progress_and_estimates(spec, scale, new_scale, data):
-    policy = build(spec, scale)
+    # A change of S is no call: the record is read, and the next step taken, at the new S.
+    policy = build(spec)
+    state = policy.init()
     for _ in range(3):
-        policy.step(*data.draw(stats(2)))
-    tau, steps = policy.progress, policy.steps
-    sigma2, mu2 = policy.estimator.group_sigma2.copy(), policy.estimator.group_mu2.copy()
-    policy.rescale(new_scale)
-    assert policy.scale == new_scale
-    assert policy.progress == tau and policy.steps == steps
-    np.testing.assert_array_equal(policy.estimator.group_sigma2, sigma2)
-    np.testing.assert_array_equal(policy.estimator.group_mu2, mu2)
+        state, _ = policy.transition(state, *data.draw(stats(2)), scale=scale)
+    tau, steps = state.progress, state.steps
+    sigma2 = policy.estimator(state, scale).group_sigma2.copy()
+    mu2 = policy.estimator(state, scale).group_mu2.copy()
+    assert policy.metrics(state, new_scale)["scale"] == new_scale
+    assert policy.estimator(state, new_scale).scale == new_scale
+    assert state.progress == tau and state.steps == steps
+    np.testing.assert_array_equal(policy.estimator(state, new_scale).group_sigma2, sigma2)
+    np.testing.assert_array_equal(policy.estimator(state, new_scale).group_mu2, mu2)
     gain = 1.0 if new_scale == 1 else gain_ratio(sigma2, mu2, new_scale)
-    assert policy.gain == min(gain, getattr(policy, "max_gain", math.inf))  # adascale_adam's cap
+    assert policy.gain(state, new_scale) == min(gain, getattr(policy, "max_gain", math.inf))  # adascale_adam's cap
     name = parse_spec(spec)[0]
     options = parse_spec(spec)[1]
     promised = {
@@ -147,12 +188,12 @@ def test_rescale_keeps_progress_and_estimates(spec, scale, new_scale, data):
         target = promised["fixed"] if rule == "fixed" else (
             new_scale ** options["alpha"] if rule == "power" else promised[rule])
         want = 1.0 + (target - 1.0) * min(1.0, tau / span)
-        assert policy.factor() == pytest.approx(want, rel=1e-15)
+        assert policy.factor(state, new_scale) == pytest.approx(want, rel=1e-15)
     else:
-        assert policy.factor() == promised[name]
+        assert policy.factor(state, new_scale) == promised[name]
     # The next step advances tau by the new scale (fixed rules) or the gain at the new scale.
     s, q, n = data.draw(stats(2))
-    info = policy.step(s, q, n)
+    state, info = policy.transition(state, s, q, n, scale=new_scale)
     assert info.progress_before == tau
     if name.startswith("adascale"):
         assert info.progress == tau + info.gain
@@ -162,61 +203,75 @@ def test_rescale_keeps_progress_and_estimates(spec, scale, new_scale, data):
 
 
 def test_rescale_linear_factor_equals_new_scale():
-    policy = make_policy("linear", scale=4)
-    policy.step([8.0], [1.25], 4)
-    policy.rescale(16)
-    assert policy.lr_factor == 4.0  # what the step before the rescale applied
-    assert policy.factor() == 16.0
-    assert policy.step([8.0], [1.25], 16).lr_factor == 16.0
-    assert policy.progress == 4 + 16
+    policy = make_policy("linear")
+    state, _ = policy.transition(policy.init(), [8.0], [1.25], 4, scale=4)
+    # S 4 -> 16: the next step's S.
+    assert state.lr_factor == 4.0  # what the step before the change applied
+    assert policy.metrics(state, 16)["lr_factor"] == 4.0
+    assert policy.factor(state, 16) == 16.0
+    state, info = policy.transition(state, [8.0], [1.25], 16, scale=16)
+    assert info.lr_factor == 16.0
+    assert state.progress == 4 + 16
 
 
 def test_follow_workers_scales_s_in_proportion_and_keeps_progress():
-    policy = make_policy("adascale", scale=6)  # 3 workers x 2 baseline batches each
-    policy.step([12.0], [1.25], 6)
-    tau, sigma2 = policy.progress, policy.estimator.sigma2
-    policy.follow_workers(3, 3)
-    assert policy.scale == 6
-    policy.follow_workers(3, 2)
-    assert policy.scale == 4 and policy.progress == tau and policy.estimator.sigma2 == sigma2
-    policy.follow_workers(2, 4)
-    assert policy.scale == 8
+    # A Horovod elastic resize: hvd_scale.run.relayout (was Policy.follow_workers).
+    setup = Setup(policy=make_policy("adascale"))
+    run = runs.start(setup, scale=6, passes=2, workers=3, measure=True)  # 3 workers x 2 baseline batches each
+    record, _ = setup.policy.transition(run.policy, [12.0], [1.25], 6, scale=6)
+    run = dataclasses.replace(run, policy=record)
+    tau, sigma2 = run.policy.progress, setup.policy.estimator(run.policy, run.scale).sigma2
+    assert runs.relayout(setup, run, workers=3).scale == 6
+    run = runs.relayout(setup, run, workers=3)
+    run = runs.relayout(setup, run, workers=2)
+    assert run.scale == 4 and run.policy.progress == tau and run.policy == record
+    assert setup.policy.estimator(run.policy, run.scale).sigma2 == sigma2
+    run = runs.relayout(setup, run, workers=4)
+    assert run.scale == 8 and run.policy == record
 
 
 def test_warmup_span_is_progress_and_a_rescale_keeps_the_position_on_the_ramp():
     """#30 item 2: the ramp counted optimizer steps while its length followed S, so a rescale
     jumped along it (S 4 -> 8 at tau = 20: factor 2.07 -> 6.00). Now the span is 10% of the
     budget in tau at every S, and a rescale keeps where the run is on the ramp."""
-    policy = make_policy("warmup:fraction=0.1", scale=4, budget=1000)
+    policy = make_policy("warmup:fraction=0.1", budget=1000)
     assert policy.span == 100.0  # 10% of 1000 baseline steps, at any S
-    for _ in range(5):
-        policy.step()
-    assert policy.progress == 20.0
-    assert policy.factor() == pytest.approx(1 + 3 * 20 / 100)  # S = 4's rule at 20% of the ramp
-    policy.rescale(8)
+    state, _ = run_steps(policy, 4, 5)
+    assert state.progress == 20.0
+    assert policy.factor(state, 4) == pytest.approx(1 + 3 * 20 / 100)  # S = 4's rule at 20% of the ramp
+    # S 4 -> 8.
     assert policy.span == 100.0
     # S = 8's rule at the same position: a run started at S = 8 has this factor at tau = 24 (its
     # step from 16) and 2.12 at tau = 16, so 2.4 at tau = 20 lies on its ramp.
-    assert policy.factor() == pytest.approx(1 + 7 * 20 / 100)
-    fresh = make_policy("warmup:fraction=0.1", scale=8, budget=1000)
-    fresh.step(), fresh.step()
-    below, above = fresh.factor(), fresh.step() and fresh.factor()
-    assert below < policy.factor() < above
+    assert policy.factor(state, 8) == pytest.approx(1 + 7 * 20 / 100)
+    fresh = make_policy("warmup:fraction=0.1", budget=1000)
+    fresh_state, _ = run_steps(fresh, 8, 2)
+    below = fresh.factor(fresh_state, 8)
+    fresh_state, _ = run_steps(fresh, 8, 1, fresh_state)
+    above = fresh.factor(fresh_state, 8)
+    assert below < policy.factor(state, 8) < above
     # And back down: 8 -> 4 at tau = 40 rewinds nothing (old: 5.0 -> 2.07).
-    for _ in range(3):
-        policy.step()
-    assert policy.progress == 44.0
-    policy.rescale(4)
-    assert policy.factor() == pytest.approx(1 + 3 * 44 / 100)
+    state, _ = run_steps(policy, 8, 3, state)
+    assert state.progress == 44.0
+    assert policy.factor(state, 4) == pytest.approx(1 + 3 * 44 / 100)
 
 
 def test_rescale_to_bad_scale_leaves_policy():
-    policy = make_policy("adascale", scale=4)
-    policy.step([8.0], [1.25], 4)
-    before = copy.deepcopy(policy.state_dict())
+    # S < 1: refused by the step at that S and by hvd_scale.run.relayout (was Policy.rescale).
+    policy = make_policy("adascale")
+    state, _ = policy.transition(policy.init(), [8.0], [1.25], 4, scale=4)
+    before = copy.deepcopy(policy.state_dict(state, 4))
     with pytest.raises(ValueError, match=r"0\.5"):
-        policy.rescale(0.5)
-    assert policy.state_dict() == before and policy.scale == 4
+        policy.transition(state, [8.0], [1.25], 4, scale=0.5)
+    assert policy.state_dict(state, 4) == before
+    setup = Setup(policy=policy)
+    run = dataclasses.replace(runs.start(setup, scale=4, passes=1, workers=4, measure=True),
+                              policy=state)
+    saved = copy.deepcopy(run.to_dict(setup))
+    with pytest.raises(ValueError, match=r"S was set to 0\.5, which would take S from 4 to 0\.5: "
+                                         r"S = 0\.5 is below the baseline batch"):
+        runs.relayout(setup, run, scale=0.5)
+    assert run.to_dict(setup) == saved and run.scale == 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,47 +283,53 @@ def test_rescale_to_bad_scale_leaves_policy():
 @pytest.mark.parametrize("scale", [1.0, 2.0, 3.0, 64.0, 7.5])
 @pytest.mark.parametrize("with_stats", [False, True])
 def test_fixed_rule_factor_and_progress(name, promised, scale, with_stats):
-    policy = make_policy(name, scale=scale)
+    policy = make_policy(name)
+    state = policy.init()
     for k in range(1, 8):
-        info = policy.step([8.0, 2.0], [1.25, 0.5], 4) if with_stats else policy.step()
+        if with_stats:
+            state, info = policy.transition(state, [8.0, 2.0], [1.25, 0.5], 4, scale=scale)
+        else:
+            state, info = policy.transition(state, scale=scale)
         assert info.lr_factor == promised(scale)
         assert info.step == k
         assert info.progress_before == (k - 1) * scale
-        assert info.progress == k * scale == policy.progress
+        assert info.progress == k * scale == state.progress
     # Fixed rules still measure the gain when given statistics (for logging only).
     if with_stats and scale > 1:
         assert info.gain > 1.0
-        assert info.gain == policy.estimator.gain
+        assert info.gain == policy.estimator(state, scale).gain
 
 
 def test_warmup_ramp_by_hand():
     # S = 5 over 20 baseline steps (4 steps): 1, 2, 3, 4, then 5 for ever.
-    policy = make_policy("warmup:baseline_steps=20", scale=5)
-    factors = [policy.step().lr_factor for _ in range(8)]
+    policy = make_policy("warmup:baseline_steps=20")
+    state, infos = run_steps(policy, 5, 8)
+    factors = [info.lr_factor for info in infos]
     assert factors == [1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0]
-    assert policy.progress == 8 * 5
+    assert state.progress == 8 * 5
 
 
 def test_warmup_default_fraction_is_lsw():
     # 5.5% of 1000 baseline steps is 55 at every S; at S = 4 the ramp is reached at tau = 56
     # (the 15th step starts there), rising 3 x 4 / 55 a step.
-    assert make_policy("warmup", scale=1, budget=1000).span == pytest.approx(55)
-    policy = make_policy("warmup", scale=4, budget=1000)
+    policy = make_policy("warmup", budget=1000)
     assert policy.span == pytest.approx(55)
-    factors = [policy.step().lr_factor for _ in range(20)]
+    state, infos = run_steps(policy, 4, 20)
+    factors = [info.lr_factor for info in infos]
     assert factors[0] == 1.0
     assert all(b > a for a, b in zip(factors[:14], factors[1:15]))
     np.testing.assert_allclose(np.diff(factors[:14]), 3.0 * 4 / 55, rtol=1e-9)
     assert factors[14:] == [4.0] * 6
-    assert policy.progress == 20 * 4
+    assert state.progress == 20 * 4
 
 
 @SETTINGS
 @given(scale=scales, span=st.integers(1, 50), steps=st.integers(1, 120))
 def test_warmup_ramp_property(scale, span, steps):
-    policy = make_policy(f"warmup:baseline_steps={span}", scale=scale)
+    policy = make_policy(f"warmup:baseline_steps={span}")
+    state = policy.init()
     for k in range(steps):
-        info = policy.step()
+        state, info = policy.transition(state, scale=scale)
         want = 1.0 + (scale - 1.0) * min(1.0, k * scale / span)
         assert info.lr_factor == pytest.approx(want, rel=1e-12)
         assert 1.0 <= info.lr_factor <= scale
@@ -280,35 +341,37 @@ STATS_SEQUENCE = [([8.0], [1.25], 4), ([10.0], [1.0], 4), ([6.0], [0.5], 4), ([1
 
 @pytest.mark.parametrize("spec, root", [("adascale", False), ("adascale_adam", True)])
 def test_adascale_factor_and_progress_follow_the_gain(spec, root):
-    policy = make_policy(spec + ":smoothing=0.5", scale=4)
+    policy = make_policy(spec + ":smoothing=0.5")
+    state = policy.init()
     reference = GainEstimator(4, smoothing=0.5)
     tau = 0.0
     for s, q, n in STATS_SEQUENCE:
         r = reference.update(s, q, n)
-        info = policy.step(s, q, n)
+        state, info = policy.transition(state, s, q, n, scale=4)
         assert info.gain == r
         assert info.lr_factor == (math.sqrt(r) if root else r)
         assert info.progress_before == tau
         tau += r
-        assert info.progress == tau == policy.progress
+        assert info.progress == tau == state.progress
     assert 1.0 < tau / len(STATS_SEQUENCE) < 4.0  # the gain really was measured, and below S
 
 
 def test_adascale_adam_takes_no_statistics_before_adams_second_moment_has_history(monkeypatch):
     monkeypatch.setattr(hvd_scale.policies.AdaScaleAdam, "MIN_ADAM_HISTORY", 20)
-    policy = make_policy("adascale_adam:smoothing=0.5", scale=4)
+    policy = make_policy("adascale_adam:smoothing=0.5")
+    state = policy.init()
     reference = GainEstimator(4, smoothing=0.5)
     for step in range(20):  # gain 1: the baseline lr, one baseline step of progress each
         s, q, n = STATS_SEQUENCE[step % len(STATS_SEQUENCE)]
-        info = policy.step(s, q, n)
+        state, info = policy.transition(state, s, q, n, scale=4)
         assert (info.lr_factor, info.gain, info.progress) == (1.0, 1.0, step + 1.0)
-        assert policy.estimator.state.updates == 0
+        assert policy.estimator(state, 4).state.updates == 0
     with pytest.raises(ValueError, match="finite"):  # bad statistics still fail
-        policy.step(math.nan, 1.0, 4)
-    tau = policy.progress
+        policy.transition(state, math.nan, 1.0, 4, scale=4)
+    tau = state.progress
     for s, q, n in STATS_SEQUENCE:  # then measured, as adascale's gain, lr x sqrt(r)
         r = reference.update(s, q, n)
-        info = policy.step(s, q, n)
+        state, info = policy.transition(state, s, q, n, scale=4)
         assert info.gain == r and info.lr_factor == math.sqrt(r)
         tau += r
         assert info.progress == tau
@@ -316,98 +379,102 @@ def test_adascale_adam_takes_no_statistics_before_adams_second_moment_has_histor
 
 def test_adascale_first_step_by_hand():
     # m = 2, q = 1.25, n = S = 4 gives sigma2 = mu2 = 1 and r = 1.6 (estimate.py's example).
-    info = make_policy("adascale:smoothing=0.0", scale=4).step(8.0, 1.25, 4)
+    policy = make_policy("adascale:smoothing=0.0")
+    _, info = policy.transition(policy.init(), 8.0, 1.25, 4, scale=4)
     assert info.gain == pytest.approx(1.6, rel=1e-15)
     assert info.lr_factor == info.gain and info.progress == info.gain
 
 
 def test_adascale_at_scale_one_is_baseline_sgd():
-    policy = make_policy("adascale", scale=1)
-    infos = [policy.step(), policy.step([3.0], [1.0], 2), policy.step([2.0], [2.0], 1)]
-    assert [i.lr_factor for i in infos] == [1.0, 1.0, 1.0]
-    assert policy.progress == 3.0
+    policy = make_policy("adascale")
+    state, first = policy.transition(policy.init(), scale=1)
+    state, second = policy.transition(state, [3.0], [1.0], 2, scale=1)
+    state, third = policy.transition(state, [2.0], [2.0], 1, scale=1)
+    assert [i.lr_factor for i in (first, second, third)] == [1.0, 1.0, 1.0]
+    assert state.progress == 3.0
 
 
 def test_adascale_needs_statistics_above_scale_one():
-    policy = make_policy("adascale", scale=2)
-    policy.step([8.0], [1.25], 4)
-    before = copy.deepcopy(policy.state_dict())
+    policy = make_policy("adascale")
+    state, _ = policy.transition(policy.init(), [8.0], [1.25], 4, scale=2)
+    before = copy.deepcopy(policy.state_dict(state, 2))
     with pytest.raises(ValueError, match="adascale.*statistics"):
-        policy.step()
-    assert policy.state_dict() == before
+        policy.transition(state, scale=2)
+    assert policy.state_dict(state, 2) == before
 
 
 def test_done_against_budget():
-    policy = make_policy("linear", scale=4, budget=10)
-    assert not policy.done()
-    policy.step(), policy.step()
-    assert policy.progress == 8 and not policy.done()
-    assert policy.done(budget=8) and not policy.done(budget=8.5)
-    policy.step()
-    assert policy.done() and policy.progress == 12
+    policy = make_policy("linear", budget=10)
+    state = policy.init()
+    assert not policy.done(state)
+    state, _ = run_steps(policy, 4, 2, state)
+    assert state.progress == 8 and not policy.done(state)
+    assert policy.done(state, budget=8) and not policy.done(state, budget=8.5)
+    state, _ = run_steps(policy, 4, 1, state)
+    assert policy.done(state) and state.progress == 12
 
 
 def test_done_for_adascale_counts_gains():
-    policy = make_policy("adascale:smoothing=0.0", scale=4, budget=3.0)
-    policy.step(8.0, 1.25, 4)  # r = 1.6
-    assert not policy.done()
-    policy.step(8.0, 1.25, 4)  # tau = 3.2
-    assert policy.done()
+    policy = make_policy("adascale:smoothing=0.0", budget=3.0)
+    state, _ = policy.transition(policy.init(), 8.0, 1.25, 4, scale=4)  # r = 1.6
+    assert not policy.done(state)
+    state, _ = policy.transition(state, 8.0, 1.25, 4, scale=4)  # tau = 3.2
+    assert policy.done(state)
 
 
 def test_done_without_budget_raises():
     with pytest.raises(ValueError, match="budget"):
-        make_policy("linear", scale=4).done()
+        make_policy("linear").done(PolicyState())
 
 
 @pytest.mark.parametrize("budget", [0, -5, math.nan, math.inf, "many", True])
 def test_budget_must_be_finite_and_positive(budget):
     """Issue #22, 4: budget 0 or less trained nothing and exited 0; nan never finished."""
     with pytest.raises(ValueError, match=rf"budget must be a finite number > 0 .*got {re.escape(repr(budget))}"):
-        make_policy("linear", scale=4, budget=budget)
+        make_policy("linear", budget=budget)
     with pytest.raises(ValueError, match="budget must be a finite number > 0"):
-        make_policy("linear", scale=4).done(budget)
+        make_policy("linear").done(PolicyState(), budget)
     with pytest.raises(ValueError, match="budget must be a finite number > 0"):
-        hvd_scale.spec.resolve_policy(make_policy("linear", scale=4), scale=4, budget=budget)
-    assert make_policy("linear", scale=4, budget=2.5).budget == 2.5
+        hvd_scale.spec.resolve_policy(make_policy("linear"), scale=4, budget=budget)
+    assert make_policy("linear", budget=2.5).budget == 2.5
 
 
 def test_adascale_rejects_adam_and_names_the_alternative():
     with pytest.raises(ValueError, match=r"'Adam'.*adascale_adam"):
-        make_policy("adascale", scale=4, optimizer="Adam")
+        make_policy("adascale", optimizer="Adam")
     with pytest.raises(ValueError, match=r"'RMSprop'"):
-        make_policy("adascale", scale=4, optimizer="RMSprop")
-    assert make_policy("adascale", scale=4, optimizer="SGD").name == "adascale"
+        make_policy("adascale", optimizer="RMSprop")
+    assert make_policy("adascale", optimizer="SGD").name == "adascale"
 
 
 def test_adascale_adam_accepts_adam_family_only():
     for opt in ("Adam", "AdamW"):
-        assert make_policy("adascale_adam", scale=4, optimizer=opt).name == "adascale_adam"
+        assert make_policy("adascale_adam", optimizer=opt).name == "adascale_adam"
     with pytest.raises(ValueError, match=r"'SGD'.*adascale"):
-        make_policy("adascale_adam", scale=4, optimizer="SGD")
+        make_policy("adascale_adam", optimizer="SGD")
 
 
 @pytest.mark.parametrize("spec", ["none", "linear", "sqrt", "warmup:baseline_steps=5"])
 def test_fixed_rules_accept_any_optimizer(spec):
     for opt in ("SGD", "Adam", "RMSprop"):
-        assert make_policy(spec, scale=4, optimizer=opt).name == parse_spec(spec)[0]
+        assert make_policy(spec, optimizer=opt).name == parse_spec(spec)[0]
 
 
 def test_policy_from_environment(monkeypatch):
     monkeypatch.setenv(hvd_scale.POLICY_ENV, "sqrt")
     assert hvd_scale.POLICY_ENV == "HVD_SCALE_POLICY"
-    policy = make_policy(scale=4)
-    assert policy.name == "sqrt" and policy.factor() == 2.0
+    policy = make_policy()
+    assert policy.name == "sqrt" and policy.factor(policy.init(), 4) == 2.0
     monkeypatch.setenv("HVD_SCALE_POLICY", "warmup:baseline_steps=7")
-    policy = make_policy(None, scale=4)
+    policy = make_policy(None)
     assert policy.name == "warmup" and policy.span == 7
     # An explicit spec wins over the environment.
-    assert make_policy("linear", scale=4).name == "linear"
+    assert make_policy("linear").name == "linear"
     monkeypatch.setenv("HVD_SCALE_POLICY", "adascalee")
     with pytest.raises(ValueError, match="adascalee"):
-        make_policy(scale=4)
+        make_policy()
     monkeypatch.delenv("HVD_SCALE_POLICY")
-    assert make_policy(scale=4).name == "adascale"  # the default
+    assert make_policy().name == "adascale"  # the default
 
 
 def test_code_policy_against_the_flag(monkeypatch):
@@ -418,7 +485,7 @@ def test_code_policy_against_the_flag(monkeypatch):
                                          r".*hvd-scale run --policy.*leave the policy to the flag"):
         resolve_policy("adascale", scale=4)
     with pytest.raises(ValueError, match="code asks for policy 'sqrt'"):
-        resolve_policy(make_policy("sqrt", scale=4), scale=4)
+        resolve_policy(make_policy("sqrt"), scale=4)
     assert resolve_policy(None, scale=4).name == "linear"
     assert resolve_policy(" Linear ", scale=4).name == "linear"  # the same policy, spelled apart
     monkeypatch.setenv("HVD_SCALE_POLICY", "warmup:baseline_steps=7")
@@ -431,16 +498,17 @@ def test_code_policy_against_the_flag(monkeypatch):
 def test_spec_parsing_normalises():
     assert parse_spec(" Warmup : baseline_steps = 10 ") == ("warmup", {"baseline_steps": 10})
     assert parse_spec("adascale-adam:smoothing=0.9") == ("adascale_adam", {"smoothing": 0.9})
-    assert make_policy("warmup:baseline_steps=10", scale=2).spec == "warmup:baseline_steps=10"
+    assert make_policy("warmup:baseline_steps=10").spec == "warmup:baseline_steps=10"
 
 
 def test_metrics_are_floats():
-    policy = make_policy("adascale", scale=4)
-    policy.step([8.0], [1.25], 4)
-    metrics = policy.metrics()
+    policy = make_policy("adascale")
+    state, _ = policy.transition(policy.init(), [8.0], [1.25], 4, scale=4)
+    metrics = policy.metrics(state, 4)
     assert all(isinstance(v, float) for v in metrics.values())
-    assert metrics["gain"] == policy.gain and metrics["progress"] == policy.progress
-    assert metrics["noise_scale"] == pytest.approx(policy.estimator.sigma2 / policy.estimator.mu2)
+    assert metrics["gain"] == policy.gain(state, 4) and metrics["progress"] == state.progress
+    estimator = policy.estimator(state, 4)
+    assert metrics["noise_scale"] == pytest.approx(estimator.sigma2 / estimator.mu2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -465,25 +533,27 @@ def test_metrics_are_floats():
 def test_bad_specs(spec, pattern, monkeypatch):
     monkeypatch.delenv("HVD_SCALE_POLICY", raising=False)
     with pytest.raises(ValueError, match=pattern):
-        make_policy(spec, scale=4)
+        make_policy(spec)
 
 
 def test_bad_spec_type():
     with pytest.raises(ValueError, match="42"):
-        make_policy(42, scale=4)
+        make_policy(42)
 
 
 @pytest.mark.parametrize("scale, pattern", [(0.5, r"0\.5"), (float("nan"), "nan"), ("x", "'x'")])
 def test_bad_scale_for_policy(scale, pattern):
+    # S is an argument of each step: a bad one is refused there, naming it.
+    policy = make_policy("linear")
     with pytest.raises((ValueError, TypeError), match=pattern):
-        make_policy("linear", scale=scale)
+        policy.transition(policy.init(), scale=scale)
 
 
-def trained(spec: str, scale: float = 4.0) -> hvd_scale.Policy:
-    policy = build(spec, scale)
-    policy.step([8.0], [1.25], 4)
-    policy.step([10.0], [1.0], 4)
-    return policy
+def trained(spec: str, scale: float = 4.0) -> tuple[hvd_scale.Policy, PolicyState]:
+    policy = build(spec)
+    state, _ = policy.transition(policy.init(), [8.0], [1.25], 4, scale=scale)
+    state, _ = policy.transition(state, [10.0], [1.0], 4, scale=scale)
+    return policy, state
 
 
 BAD_STEPS = [
@@ -503,31 +573,31 @@ BAD_STEPS = [
 @pytest.mark.parametrize("spec", ALL_SPECS)
 @pytest.mark.parametrize("s, q, n, pattern", BAD_STEPS)
 def test_bad_statistics_leave_every_policy_unchanged(spec, s, q, n, pattern):
-    policy = trained(spec)
-    before = copy.deepcopy(policy.state_dict())
-    factor, applied = policy.factor(), policy.lr_factor
+    policy, state = trained(spec)
+    before = copy.deepcopy(policy.state_dict(state, 4.0))
+    factor, applied = policy.factor(state, 4.0), state.lr_factor
     with pytest.raises((ValueError, TypeError), match=pattern):
-        policy.step(s, q, n)
-    assert policy.state_dict() == before
-    assert policy.factor() == factor and policy.lr_factor == applied
+        policy.transition(state, s, q, n, scale=4.0)
+    assert policy.state_dict(state, 4.0) == before
+    assert policy.factor(state, 4.0) == factor and state.lr_factor == applied
 
 
 @pytest.mark.parametrize("spec", ["adascale", "adascale_adam"])
 def test_adascale_rejects_single_micro_gradient_above_scale_one(spec):
-    policy = trained(spec)
-    before = copy.deepcopy(policy.state_dict())
+    policy, state = trained(spec)
+    before = copy.deepcopy(policy.state_dict(state, 4.0))
     with pytest.raises(ValueError, match=r"n = 1"):
-        policy.step([8.0], [8.0], 1)
-    assert policy.state_dict() == before
+        policy.transition(state, [8.0], [8.0], 1, scale=4.0)
+    assert policy.state_dict(state, 4.0) == before
 
 
 def test_fixed_rule_with_one_micro_gradient_only_skips_the_estimate():
     # Documented: a fixed rule logs the gain when it can; n = 1 simply gives no estimate.
-    policy = trained("linear")
-    estimator_before = copy.deepcopy(policy.estimator.state_dict())
-    info = policy.step([8.0], [8.0], 1)
+    policy, state = trained("linear")
+    estimator_before = copy.deepcopy(policy.estimator(state, 4.0).state_dict())
+    state, info = policy.transition(state, [8.0], [8.0], 1, scale=4.0)
     assert info.lr_factor == 4.0 and info.progress == 12.0
-    assert policy.estimator.state_dict() == estimator_before
+    assert policy.estimator(state, 4.0).state_dict() == estimator_before
 
 
 # Loading checkpoints.
@@ -537,13 +607,13 @@ def test_fixed_rule_with_one_micro_gradient_only_skips_the_estimate():
     ("warmup:baseline_steps=3", "warmup:baseline_steps=4"), ("adascale_adam", "adascale"), ("sqrt", "none"),
 ])
 def test_load_state_from_another_policy_raises(spec, other):
-    policy = trained(spec)
-    before = copy.deepcopy(policy.state_dict())
-    foreign = trained(other, scale=8.0)
-    foreign.step([8.0], [1.25], 4)
+    policy, state = trained(spec)
+    before = copy.deepcopy(policy.state_dict(state, 4.0))
+    foreign, foreign_state = trained(other, scale=8.0)
+    foreign_state, _ = foreign.transition(foreign_state, [8.0], [1.25], 4, scale=8.0)
     with pytest.raises(ValueError, match=f"'{other}'"):
-        policy.load_state_dict(foreign.state_dict())
-    assert policy.state_dict() == before
+        policy.load_state(foreign.state_dict(foreign_state, 8.0))
+    assert policy.state_dict(state, 4.0) == before
 
 
 def _mutated(d: dict, mutate) -> dict:
@@ -552,45 +622,57 @@ def _mutated(d: dict, mutate) -> dict:
     return d
 
 
+# (mutation, message, refused by the policy's load_state: False where the check is the run's,
+# hvd_scale.run.restored's, which knows this job's parameter groups)
 STATE_MUTATIONS = [
-    (lambda d: d.pop("progress"), r"missing keys \['progress'\]"),
-    (lambda d: d.pop("estimator"), r"missing keys \['estimator'\]"),
-    (lambda d: d.update(gain=2.0), r"unknown keys \['gain'\]"),
-    (lambda d: d["estimator"].pop("mu2_biased"), r"missing keys \['mu2_biased'\]"),
-    (lambda d: d["estimator"].update(tau=1.0), r"unknown keys \['tau'\]"),
-    (lambda d: d.update(version=99), r"version 99"),
-    (lambda d: d.update(policy="nonsense"), r"'nonsense'"),
+    (lambda d: d.pop("progress"), r"missing keys \['progress'\]", True),
+    (lambda d: d.pop("estimator"), r"missing keys \['estimator'\]", True),
+    (lambda d: d.update(gain=2.0), r"unknown keys \['gain'\]", True),
+    (lambda d: d["estimator"].pop("mu2_biased"), r"missing keys \['mu2_biased'\]", True),
+    (lambda d: d["estimator"].update(tau=1.0), r"unknown keys \['tau'\]", True),
+    (lambda d: d.update(version=99), r"version 99", True),
+    (lambda d: d.update(policy="nonsense"), r"'nonsense'", True),
     (lambda d: d["estimator"].update(sigma2_biased=[1.0, 1.0], mu2_biased=[1.0, 1.0]),
-     r"2 parameter group"),
+     r"2 parameter group", False),
     # Bad values, found only after the estimator part was read: nothing may change either.
-    (lambda d: d.update(steps="x"), r"'x'"),
-    (lambda d: d.update(progress="far"), r"'far'"),
+    (lambda d: d.update(steps="x"), r"'x'", True),
+    (lambda d: d.update(progress="far"), r"'far'", True),
 ]
 
 
 @pytest.mark.parametrize("spec", ["adascale", "linear", "warmup:baseline_steps=3"])
-@pytest.mark.parametrize("mutate, pattern", STATE_MUTATIONS)
-def test_load_bad_state_raises_and_leaves_policy(spec, mutate, pattern):
-    policy = trained(spec)
-    before = copy.deepcopy(policy.state_dict())
+@pytest.mark.parametrize("mutate, pattern, by_policy", STATE_MUTATIONS)
+def test_load_bad_state_raises_and_leaves_policy(spec, mutate, pattern, by_policy):
+    policy, state = trained(spec)
+    before = copy.deepcopy(policy.state_dict(state, 4.0))
     # A checkpoint of the same policy, further along, so that a partial load would show.
-    donor = trained(spec)
+    donor, donor_state = trained(spec)
     for _ in range(3):
-        donor.step([20.0], [4.0], 4)
-    bad = _mutated(donor.state_dict(), mutate)
+        donor_state, _ = donor.transition(donor_state, [20.0], [4.0], 4, scale=4.0)
+    bad = _mutated(donor.state_dict(donor_state, 4.0), mutate)
+    if by_policy:
+        with pytest.raises(ValueError, match=pattern):
+            policy.load_state(bad)
+    # What a job does with a checkpoint (torch's load_state_dict of a version-5 policy dict):
+    # read it as a run record, then take it in at this job's layout and groups.
+    setup = Setup(policy=policy, groups=1)
+    here = dataclasses.replace(runs.start(setup, scale=4, passes=1, workers=4, measure=True),
+                               policy=state)
     with pytest.raises(ValueError, match=pattern):
-        policy.load_state_dict(bad)
-    assert policy.state_dict() == before
-    assert policy.estimator.state_dict() == before["estimator"]
+        runs.restored(setup, here, RunState.from_dict(bad, setup), take_passes=False)
+    assert policy.state_dict(here.policy, 4.0) == before
+    assert policy.estimator(here.policy, 4.0).state_dict() == before["estimator"]
 
 
 def test_load_keeps_this_jobs_scale():
-    saved = trained("adascale", scale=8.0).state_dict()
-    policy = make_policy("adascale", scale=2)
-    policy.load_state_dict(saved)
-    assert policy.scale == 2.0
-    assert policy.progress == saved["progress"]
-    assert 1.0 <= policy.gain <= 2.0
+    trained_policy, trained_state = trained("adascale", scale=8.0)
+    saved = trained_policy.state_dict(trained_state, 8.0)
+    policy = make_policy("adascale")
+    state = policy.load_state(saved)
+    # S is this job's (2), whatever S the checkpoint was saved at.
+    assert policy.estimator(state, 2).scale == 2.0
+    assert state.progress == saved["progress"]
+    assert 1.0 <= policy.gain(state, 2) <= 2.0
 
 
 # -- resolve_policy / agree_across_ranks (what both adapters build their policy with) ------------
@@ -599,26 +681,32 @@ def test_resolve_policy_rejects_unmeasurable_adascale():
     with pytest.raises(ValueError, match="needs at least 2 micro-gradients"):
         hvd_scale.spec.resolve_policy("adascale", scale=2, micro_gradients=1)
     # fixed rules need no variance, and S = 1 needs none either
-    assert hvd_scale.spec.resolve_policy("linear", scale=2, micro_gradients=1).scale == 2
-    assert hvd_scale.spec.resolve_policy("adascale", scale=1, micro_gradients=1).gain == 1.0
+    assert hvd_scale.spec.resolve_policy("linear", scale=2, micro_gradients=1).name == "linear"
+    resolved = hvd_scale.spec.resolve_policy("adascale", scale=1, micro_gradients=1)
+    assert resolved.gain(resolved.init(), 1) == 1.0
 
 
-def test_resolve_policy_rescales_a_given_policy():
-    policy = hvd_scale.make_policy("linear", scale=2)
+def test_resolve_policy_takes_a_given_policy_as_it_is():
+    # A policy holds no S: resolve_policy returns it unchanged (it used to rescale it), and the
+    # S the adapter runs at is the argument of each step.
+    policy = hvd_scale.make_policy("linear")
     assert hvd_scale.spec.resolve_policy(policy, scale=8, optimizer="SGD") is policy
-    assert policy.factor() == 8
+    assert policy.spec == "linear"
+    assert policy.factor(policy.init(), 8) == 8
 
 
 def _fake_allgather(specs, scales=None, budgets=None):
     """Simulate every rank's build: rank r builds specs[r] (at scales[r], budgets[r]); we play
-    rank 0."""
+    rank 0. S travels in the adapter's settings (agree_across_ranks' ``settings``)."""
     def builds():
         out = []
         for r, spec in enumerate(specs):
             try:
-                p = hvd_scale.make_policy(spec, scale=scales[r] if scales else 2,
-                                          budget=budgets[r] if budgets else None)
-                out.append(({"policy": p.spec, "scale": p.scale, "budget": p.budget}, None))
+                p = hvd_scale.make_policy(spec, budget=budgets[r] if budgets else None)
+                values = {"policy": p.spec, "budget": p.budget}
+                if scales:
+                    values["scale"] = float(scales[r])
+                out.append((values, None))
             except ValueError as e:
                 out.append((None, f"ValueError: {e}"))
         return out
@@ -627,13 +715,13 @@ def _fake_allgather(specs, scales=None, budgets=None):
 
 def test_agree_across_ranks_accepts_the_same_spec():
     policy = hvd_scale.spec.agree_across_ranks(
-        lambda: hvd_scale.make_policy("sqrt", scale=2), _fake_allgather(["sqrt", "sqrt"]))
+        lambda: hvd_scale.make_policy("sqrt"), _fake_allgather(["sqrt", "sqrt"]))
     assert policy.name == "sqrt"
 
 
 def test_agree_across_ranks_reports_differing_specs_on_every_rank():
     with pytest.raises(ValueError, match="different policies") as e:
-        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
+        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt"),
                                               _fake_allgather(["sqrt", "linear"]))
     assert "'sqrt'" in str(e.value) and "'linear'" in str(e.value)
 
@@ -641,7 +729,7 @@ def test_agree_across_ranks_reports_differing_specs_on_every_rank():
 def test_agree_across_ranks_reports_another_ranks_error():
     # rank 0 (us) built fine; rank 1's spec was bad: we raise too, naming rank 1.
     with pytest.raises(ValueError, match="rank 1: ValueError: unknown policy 'sqtr'"):
-        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt", scale=2),
+        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqrt"),
                                               _fake_allgather(["sqrt", "sqtr"]))
 
 
@@ -653,9 +741,9 @@ def test_agree_across_ranks_reports_differing_scale_or_budget_per_rank(scales, b
     """Issue #22, 1: a scale (or budget) that differs between ranks trained apart silently."""
     with pytest.raises(ValueError, match="different") as e:
         hvd_scale.spec.agree_across_ranks(
-            lambda: hvd_scale.make_policy("sqrt", scale=scales[0],
-                                          budget=budgets[0] if budgets else None),
-            _fake_allgather(["sqrt", "sqrt"], scales, budgets))
+            lambda: hvd_scale.make_policy("sqrt", budget=budgets[0] if budgets else None),
+            _fake_allgather(["sqrt", "sqrt"], scales, budgets),
+            lambda built: {"scale": float(scales[0])})
     assert named in str(e.value)
 
 
@@ -664,34 +752,40 @@ def test_agree_across_ranks_compares_the_adapters_settings():
                   "lr": {"param_groups[0]": lr}}, None) for k, lr in ((1, 0.1), (2, 0.1))]
     with pytest.raises(ValueError, match=r"backward_passes_per_step \{0: 1, 1: 2\}") as e:
         hvd_scale.spec.agree_across_ranks(
-            lambda: hvd_scale.make_policy("sqrt", scale=2), lambda mine: gathered,
-            lambda built: {"backward_passes_per_step": 1, "lr": {"param_groups[0]": 0.1}})
+            lambda: hvd_scale.make_policy("sqrt"), lambda mine: gathered,
+            lambda built: {"scale": 2.0, "backward_passes_per_step": 1,
+                           "lr": {"param_groups[0]": 0.1}})
     assert "lr {" not in str(e.value)  # the lrs agree: only what differs is named
 
 
 def test_agree_across_ranks_single_process_raises_its_own_error():
     with pytest.raises(ValueError, match="unknown policy"):
-        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqtr", scale=2), None)
+        hvd_scale.spec.agree_across_ranks(lambda: hvd_scale.make_policy("sqtr"), None)
 
 
 # ----------------------------------------------------------------------------------------------
 # The practitioners' rules (the seed's answer): a hand-tuned factor, S^alpha, warm-up to any rule,
 # LEGW.
 
+def first_step(spec: str, scale: float):
+    """The StepInfo of a fresh run's first step at S = ``scale`` (no statistics)."""
+    return make_policy(spec).transition(PolicyState(), scale=scale)[1]
+
+
 def test_practitioners_rules_by_hand():
-    assert [make_policy("fixed:factor=5", scale=8).step().lr_factor for _ in range(2)] == [5, 5]
-    assert make_policy("power:alpha=0.5", scale=16).step().lr_factor == 4.0
-    assert make_policy("power:alpha=1", scale=16).step().lr_factor == 16.0
-    sqrt_warm = make_policy("warmup:rule=sqrt,baseline_steps=64", scale=16)  # 4 steps at S = 16
-    assert [sqrt_warm.step().lr_factor for _ in range(6)] == [1.0, 1.75, 2.5, 3.25, 4.0, 4.0]
-    fixed_warm = make_policy("warmup:rule=fixed,factor=5,baseline_steps=16", scale=8)
-    assert [fixed_warm.step().lr_factor for _ in range(3)] == [1.0, 3.0, 5.0]
+    assert [first_step("fixed:factor=5", 8).lr_factor for _ in range(2)] == [5, 5]
+    assert first_step("power:alpha=0.5", 16).lr_factor == 4.0
+    assert first_step("power:alpha=1", 16).lr_factor == 16.0
+    sqrt_warm = make_policy("warmup:rule=sqrt,baseline_steps=64")  # 4 steps at S = 16
+    assert [i.lr_factor for i in run_steps(sqrt_warm, 16, 6)[1]] == [1.0, 1.75, 2.5, 3.25, 4.0, 4.0]
+    fixed_warm = make_policy("warmup:rule=fixed,factor=5,baseline_steps=16")
+    assert [i.lr_factor for i in run_steps(fixed_warm, 8, 3)[1]] == [1.0, 3.0, 5.0]
     # LEGW at S = 4 with a base warm-up of 2 baseline steps: sqrt(4) after 8 baseline steps.
-    legw = make_policy("legw:steps=2", scale=4)
-    infos = [legw.step() for _ in range(3)]
+    legw = make_policy("legw:steps=2")
+    infos = run_steps(legw, 4, 3)[1]
     assert [i.lr_factor for i in infos] == [1.0, 2.0, 2.0] and infos[-1].progress == 12.0
     # Every fixed rule's step consumes S baseline batches.
-    assert make_policy("fixed:factor=5", scale=8).step().progress == 8.0
+    assert first_step("fixed:factor=5", 8).progress == 8.0
 
 
 @pytest.mark.parametrize("spec, pattern", [
@@ -707,25 +801,25 @@ def test_practitioners_rules_by_hand():
 ])
 def test_practitioners_rules_refuse_bad_specs(spec, pattern):
     with pytest.raises(ValueError, match=pattern):
-        make_policy(spec, scale=4, budget=100)
+        make_policy(spec, budget=100)
 
 
 def test_warmup_rule_linear_is_the_plain_warmup():
-    assert make_policy("warmup:rule=linear,baseline_steps=3", scale=4).spec == "warmup:baseline_steps=3"
+    assert make_policy("warmup:rule=linear,baseline_steps=3").spec == "warmup:baseline_steps=3"
 
 
 def test_warmup_steps_in_optimizer_steps_is_refused_with_the_new_spelling():
     """#30 item 2: warmup:steps=N counted optimizer steps; read as baseline steps it would
     silently shorten a ramp S-fold, so the old option is refused, naming the conversion."""
     with pytest.raises(ValueError, match=r"'warmup:steps=500'.*baseline_steps=<steps x S>"):
-        make_policy("warmup:steps=500", scale=8)
+        make_policy("warmup:steps=500")
 
 
 def test_a_bad_spec_from_the_environment_names_the_variable(monkeypatch):
     """#32 item 6: a typo in $HVD_SCALE_POLICY did not name the variable as its source."""
     monkeypatch.setenv(hvd_scale.POLICY_ENV, "adascalle")
     with pytest.raises(ValueError, match=r"\$HVD_SCALE_POLICY='adascalle' .*unknown policy 'adascalle'"):
-        make_policy(scale=4)
+        make_policy()
     monkeypatch.setenv(hvd_scale.POLICY_ENV, "sqrt")
-    assert make_policy(scale=4).name == "sqrt"
-    assert make_policy("linear", scale=4).name == "linear"  # an explicit spec: the environment unread
+    assert make_policy().name == "sqrt"
+    assert make_policy("linear").name == "linear"  # an explicit spec: the environment unread

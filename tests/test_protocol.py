@@ -18,11 +18,28 @@ import numpy as np
 import pytest
 
 from hvd_scale import GainEstimator
-from hvd_scale.adapters.core import Scaling, run_step
+from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation
+from hvd_scale.adapters.core import Framework, Readout, Request, Scaling, run_step
 from hvd_scale.metrics import METRICS
 from hvd_scale.reduce import LocalReducer, pack_local
 
 LR = 0.1
+
+
+def scaling_of(hvd, *, policy=None, passes=1, scale=None, budget=None, measure=None,
+               nonfinite="skip", log_dir=None, log_every=None, adapt=None, max_passes=None,
+               adapt_every=ADAPT_EVERY, guard=None, **framework) -> Scaling:
+    """A ``Scaling`` built as an adapter builds it, from the adapter's flat arguments: the
+    user's ``Request``, the adapter's ``Framework`` (``optimizer_name``, ``framework`` (its
+    name), ``groups``, ...), the adaptation and the guard built."""
+    framework["name"] = framework.pop("framework")
+    return Scaling(hvd, Request(policy=policy, passes=passes, scale=scale, budget=budget,
+                                measure=measure, nonfinite=nonfinite, log_dir=log_dir,
+                                log_every=log_every),
+                   Framework(**framework),
+                   adaptation=Adaptation(adapt, max_passes, adapt_every, passes, measure),
+                   guard=guard)
+
 
 
 def account(scaling, statistics, base_lr):
@@ -50,13 +67,14 @@ class OneProcess:
         return obj
 
 
-class ToyOptimizer:
-    """Least squares in numpy, implementing protocol.FrameworkOptimizer."""
+class ToyOptimizer(Readout):
+    """Least squares in numpy, implementing protocol.FrameworkOptimizer; its run is read as every
+    adapter's (``Readout``: ``policy``, ``steps``, ``progress``, ...)."""
 
     def __init__(self, w, passes, policy="adascale", **kw):
         self.w = np.asarray(w, dtype=np.float64)
-        self.scaling = Scaling(OneProcess(), policy=policy, passes=passes, scale=None, budget=None,
-                               optimizer_name="SGD", framework="toy", base_lrs=[LR], **kw)
+        self.scaling = scaling_of(OneProcess(), policy=policy, passes=passes, scale=None, budget=None,
+                                  optimizer_name="SGD", framework="toy", base_lrs=[LR], **kw)
         self._sum, self._count, self._grad = 0.0, 0, np.zeros_like(self.w)
 
     def backward(self, x, y):  # the framework's own: one micro-batch's gradient
@@ -81,7 +99,7 @@ class ToyOptimizer:
         return step, np.concatenate([self.start_statistics(), self.mean_sqnorms()]), True, None
 
     def user_settings(self):
-        return [[LR, math.nan, math.nan, math.nan, math.nan, self.scaling.policy.steps + 1]]
+        return [[LR, math.nan, math.nan, math.nan, math.nan, self.scaling.run.policy.steps + 1]]
 
     def loss_scale(self):
         return None
@@ -98,10 +116,6 @@ class ToyOptimizer:
 
     def step(self):
         return run_step(self, None)
-
-    @property
-    def policy(self):
-        return self.scaling.policy
 
 
 def batches(step, k, rng_seed=0):
@@ -148,7 +162,7 @@ def test_nonfinite_statistics_skip_or_raise(nonfinite):
             opt.step()
     else:
         assert opt.step() == 0.0
-        assert opt.scaling.policy.skipped == 1 and opt.scaling.policy.steps == 0
+        assert opt.scaling.run.policy.skipped == 1 and opt.scaling.run.policy.steps == 0
         assert np.all(opt.w == 0)
 
 
@@ -175,7 +189,7 @@ def test_a_diverged_run_stops_instead_of_skipping_forever():
     with pytest.raises(FloatingPointError, match=f"{DIVERGED_AFTER} steps in a row had non-finite "
                                                  "gradients and were skipped.*training has diverged"):
         nonfinite_step()
-    assert opt.scaling.policy.steps == 1
+    assert opt.scaling.run.policy.steps == 1
 
 
 def test_statistics_must_count_workers_times_passes():
@@ -194,19 +208,19 @@ def test_rank_0_says_what_runs_at_the_start(capsys, tmp_path):
     assert err == ("hvd_scale: policy adascale at S = 2 (1 worker(s) x 2 pass(es)), the gain "
                    "measured each step from 2 micro-gradients; no budget (no progress bar; the "
                    "loop decides when to stop)\n")
-    Scaling(OneProcess(), policy="linear", passes=2, scale=None, budget=100, optimizer_name="SGD",
-            framework="toy", base_lrs=[LR], log_dir=str(tmp_path))
+    scaling_of(OneProcess(), policy="linear", passes=2, scale=None, budget=100, optimizer_name="SGD",
+               framework="toy", base_lrs=[LR], log_dir=str(tmp_path))
     assert capsys.readouterr().err == (f"hvd_scale: policy linear at S = 2 (1 worker(s) x 2 "
                                        f"pass(es)), a fixed factor; budget T = 100 baseline steps; "
                                        f"metrics in {tmp_path}\n")
     # One micro-gradient at S = 1 (#31 item 1): nothing is measured, and the line says so.
-    one = Scaling(OneProcess(), policy="adascale", passes=1, scale=None, budget=None,
-                  optimizer_name="SGD", framework="toy", base_lrs=[LR])
+    one = scaling_of(OneProcess(), policy="adascale", passes=1, scale=None, budget=None,
+                     optimizer_name="SGD", framework="toy", base_lrs=[LR])
     assert not one.measure
     assert "gain 1 (one micro-gradient a step at S = 1: nothing to measure)" in capsys.readouterr().err
     # measure=True asked for them (#47 item 3: so that k or S can change later): taken.
-    assert Scaling(OneProcess(), policy="adascale", passes=1, scale=None, budget=None,
-                   optimizer_name="SGD", framework="toy", base_lrs=[LR], measure=True).measure
+    assert scaling_of(OneProcess(), policy="adascale", passes=1, scale=None, budget=None,
+                      optimizer_name="SGD", framework="toy", base_lrs=[LR], measure=True).measure
 
 
 def test_step_without_backward_says_what_to_call():
@@ -227,26 +241,26 @@ def test_step_without_backward_says_what_to_call():
 def test_bad_set_up_is_refused(kw, pattern):
     kw = {"scale": None, **kw}
     with pytest.raises(ValueError, match=pattern):
-        Scaling(OneProcess(), policy="adascale", budget=None, optimizer_name="SGD",
-                framework="toy", **kw)
+        scaling_of(OneProcess(), policy="adascale", budget=None, optimizer_name="SGD",
+                   framework="toy", **kw)
 
 
 def test_base_lr_must_be_positive():
     with pytest.raises(ValueError, match=r"param_groups\[1\] has lr=0"):
-        Scaling(OneProcess(), policy="linear", passes=1, scale=None, budget=None,
-                optimizer_name="SGD", framework="toy", base_lrs=[0.1, 0])
+        scaling_of(OneProcess(), policy="linear", passes=1, scale=None, budget=None,
+                   optimizer_name="SGD", framework="toy", base_lrs=[0.1, 0])
 
 
 def test_rescale_without_a_scale_keeps_the_ratio_to_the_world_size():
     hvd = OneProcess(2)
-    scaling = Scaling(hvd, policy="linear", passes=2, scale=2.0, budget=None,  # S = 2 x 2 / 2
-                      optimizer_name="SGD", framework="toy")
-    assert scaling.policy.scale == 2.0
+    scaling = scaling_of(hvd, policy="linear", passes=2, scale=2.0, budget=None,  # S = 2 x 2 / 2
+                         optimizer_name="SGD", framework="toy")
+    assert scaling.run.scale == 2.0
     hvd._size = 4
     scaling.rescale()
-    assert scaling.policy.scale == 4.0  # still workers x k / 2
+    assert scaling.run.scale == 4.0  # still workers x k / 2
     scaling.rescale(3.0)
-    assert scaling.policy.scale == 3.0
+    assert scaling.run.scale == 3.0
 
 
 def _conformance(result):
@@ -339,7 +353,7 @@ def build_on_ranks(per_rank: list[dict], binding=ThreadRanks, **common):
         kw = {"policy": "adascale", "passes": 1, "scale": None, "budget": None,
               "optimizer_name": "SGD", "framework": "toy", **common, **per_rank[rank]}
         try:
-            out[rank] = Scaling(hvd, **kw)
+            out[rank] = scaling_of(hvd, **kw)
         except Exception as e:  # noqa: BLE001 - reported per rank
             out[rank] = e
 
@@ -392,15 +406,15 @@ def test_differing_settings_cost_one_allgather():
 def test_budget_out_of_bounds_is_refused(budget):
     """Issue #22, 4: budget=0 or negative trained nothing and exited 0; nan never finished."""
     with pytest.raises(ValueError, match=r"budget must be a finite number > 0 .*got"):
-        Scaling(OneProcess(), policy="linear", passes=1, scale=None, budget=budget,
-                optimizer_name="SGD", framework="toy")
+        scaling_of(OneProcess(), policy="linear", passes=1, scale=None, budget=budget,
+                   optimizer_name="SGD", framework="toy")
 
 
 @pytest.mark.parametrize("lr", [math.inf, math.nan, -0.1])
 def test_base_lr_must_be_finite_and_positive(lr):
     with pytest.raises(ValueError, match=r"param_groups\[0\] has lr=.*finite number > 0"):
-        Scaling(OneProcess(), policy="linear", passes=1, scale=None, budget=None,
-                optimizer_name="SGD", framework="toy", base_lrs=[lr])
+        scaling_of(OneProcess(), policy="linear", passes=1, scale=None, budget=None,
+                   optimizer_name="SGD", framework="toy", base_lrs=[lr])
 
 
 @pytest.mark.parametrize("lr", [-0.1, math.nan, math.inf])
@@ -414,13 +428,13 @@ def test_an_lr_turned_bad_after_construction_is_refused_before_anything_counts(l
     with pytest.raises(ValueError, match=rf"lr is {re.escape(repr(lr))} at step 1: the learning "
                                          r"rate must be a finite number >= 0"):
         account(opt.scaling, stats, lr)
-    policy = opt.scaling.policy
-    assert (policy.steps, policy.skipped, policy.progress) == (0, 0, 0.0)
+    record = opt.scaling.run.policy
+    assert (record.steps, record.skipped, record.progress) == (0, 0, 0.0)
     assert math.isnan(opt.scaling.last_lr)
     # lr 0 (a warm-up starting there) is a step like any other, also under a guard.
     from hvd_scale.guard import SharpnessGuard
-    guarded = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
-                      optimizer_name="SGD", framework="toy", guard=SharpnessGuard())
+    guarded = scaling_of(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
+                         optimizer_name="SGD", framework="toy", guard=SharpnessGuard())
     guarded.guard.update(10.0, 0)
     assert account(guarded, stats, 0.0) >= 1.0 and guarded.last_lr == 0.0
 
@@ -430,8 +444,8 @@ def test_the_divergence_error_says_nothing_was_applied():
     diverged' although no step was taken."""
     from hvd_scale.adapters.core import DIVERGED_AFTER
 
-    scaling = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
-                      optimizer_name="SGD", framework="toy")
+    scaling = scaling_of(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
+                         optimizer_name="SGD", framework="toy")
     bad = [math.inf, 2.0, 1.0]
     for _ in range(DIVERGED_AFTER - 1):
         assert account(scaling, bad, LR) == 0.0
@@ -445,11 +459,11 @@ def test_the_divergence_error_says_nothing_was_applied():
 def test_a_checkpoint_with_statistics_for_other_groups_is_refused_by_a_fresh_optimizer():
     """Issue #22, 6: the policy part is checked against this optimizer's groups even before it
     has statistics of its own (a fresh optimizer, the usual resume)."""
-    two = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
-                  optimizer_name="SGD", framework="toy", groups=2)
+    two = scaling_of(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
+                     optimizer_name="SGD", framework="toy", groups=2)
     two.plan([1.0, 2.0, 2.0, 0.5, 0.5], True, [[LR] + [math.nan] * 4 + [1.0]] * 2)
-    fresh = Scaling(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
-                    optimizer_name="SGD", framework="toy", groups=1)
+    fresh = scaling_of(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
+                       optimizer_name="SGD", framework="toy", groups=1)
     before = fresh.state_dict()
     with pytest.raises(ValueError, match=r"statistics for 2 parameter group\(s\), this optimizer has 1"):
         fresh.restored(two.state_dict())
@@ -462,9 +476,9 @@ def test_adapt_never_takes_k_below_the_start(scale, passes, noise):
     k = 1 (S = 0.5) and the next step raised after the update was applied; with scale=4 it went to
     k = 1 (S = 2 from one micro-gradient) and raised 'no variance estimate'. Low noise predicts
     the most goodput at k = 1; the job keeps k = 2 and keeps stepping."""
-    scaling = Scaling(OneProcess(), policy="adascale", passes=passes, scale=scale, budget=None,
-                      optimizer_name="SGD", framework="toy", base_lrs=[LR], adapt="goodput",
-                      max_passes=4, adapt_every=10)
+    scaling = scaling_of(OneProcess(), policy="adascale", passes=passes, scale=scale, budget=None,
+                         optimizer_name="SGD", framework="toy", base_lrs=[LR], adapt="goodput",
+                         max_passes=4, adapt_every=10)
     # Two micro-gradients that differ by a little: mean |g_i|^2 = 1 + noise, |g_bar|^2 = 1.
     stats = [2.0 * (1.0 + noise), 2.0, 1.0]
     # Rank 0's step times at k = 2: 10 ms a pass, no allreduce (one worker), 2 ms of update.
@@ -474,17 +488,17 @@ def test_adapt_never_takes_k_below_the_start(scale, passes, noise):
         k = scaling.adapted_passes()
         assert k == passes, (step, k)
         scaling.set_passes(k)
-    assert scaling.policy.scale == scale and scaling.policy.steps == 30
+    assert scaling.run.scale == scale and scaling.run.policy.steps == 30
 
 
 def test_a_resize_below_the_baseline_batch_is_refused_naming_the_cause():
     """A job whose baseline batch is two workers' micro-batches (scale=1 at 2 workers) cannot
     shrink to one worker (S = 0.5): refused before anything is applied or counted, saying why."""
     hvd = OneProcess(size=2)
-    scaling = Scaling(hvd, policy="linear", passes=1, scale=1.0, budget=None,
-                      optimizer_name="SGD", framework="toy", base_lrs=[LR], elastic=True)
+    scaling = scaling_of(hvd, policy="linear", passes=1, scale=1.0, budget=None,
+                         optimizer_name="SGD", framework="toy", base_lrs=[LR], elastic=True)
     account(scaling, None, LR)
     hvd._size = 1
     with pytest.raises(ValueError, match=r"from 2 to 1 worker.*S from 1 to 0\.5.*at least 2 workers"):
         account(scaling, None, LR)
-    assert scaling.policy.steps == 1 and scaling.policy.scale == 1.0
+    assert scaling.run.policy.steps == 1 and scaling.run.scale == 1.0

@@ -18,8 +18,8 @@ LR = 0.1
 NAN = math.nan
 
 
-def setup_for(spec: str, *, scale: float, groups: int = 1, **kw) -> Setup:
-    return Setup(policy=make_policy(spec, scale=scale), groups=groups, **kw)
+def setup_for(spec: str, *, groups: int = 1, **kw) -> Setup:
+    return Setup(policy=make_policy(spec), groups=groups, **kw)
 
 
 def user(lr: float = LR, t: float = 1.0, groups: int = 1):
@@ -33,10 +33,9 @@ def stats(n: int, noise: float = 0.5, mean: float = 1.0) -> list[float]:
 
 def test_the_host_step_is_the_policys_transition_bit_for_bit():
     """What was right stays: a run of host steps gives the records a policy's transitions give."""
-    setup = setup_for("adascale", scale=4)
+    setup = setup_for("adascale")
     run = runs.start(setup, scale=4, passes=2, workers=2, measure=True)
-    policy, record = make_policy("adascale", scale=4), None
-    record = run.policy
+    policy, record = make_policy("adascale"), run.policy
     for i in range(20):
         s = stats(4, noise=0.1 * (i % 5 + 1))
         run, plan, info = runs.host_step(setup, run, StepInputs(s, True, user()))
@@ -48,7 +47,7 @@ def test_the_host_step_is_the_policys_transition_bit_for_bit():
 
 @pytest.mark.parametrize("spec", ["adascale", "adascale_adam", "linear"])
 def test_both_forms_round_trip_the_whole_record(spec):
-    setup = setup_for(spec, scale=6)
+    setup = setup_for(spec)
     run = runs.start(setup, scale=6, passes=3, workers=2, measure=True)
     for _ in range(3):
         run, _, _ = runs.host_step(setup, run, StepInputs(stats(6), True, user(t=run.policy.steps + 1)))
@@ -61,7 +60,7 @@ def test_both_forms_round_trip_the_whole_record(spec):
 
 def test_a_vector_of_another_version_is_refused_naming_both():
     """#47 item 6: Keras's vector had no version, and an old record loaded silently."""
-    setup = setup_for("adascale_adam", scale=2)
+    setup = setup_for("adascale_adam")
     vector = runs.start(setup, scale=2, passes=1, workers=2, measure=True).to_vector(1)
     vector[runs.VERSION_INDEX] = 5
     with pytest.raises(ValueError, match=r"holds a version 5 record, this hvd_scale reads version 6"):
@@ -71,27 +70,27 @@ def test_a_vector_of_another_version_is_refused_naming_both():
 
 
 def test_a_version_5_torch_checkpoint_migrates_with_its_policy_state():
-    setup = setup_for("linear", scale=4)
-    policy = make_policy("linear", scale=4)
-    policy.step()
-    saved = RunState.from_dict(policy.state_dict(), setup)
-    assert saved.policy == policy.state and saved.scale == 4.0
+    setup = setup_for("linear")
+    policy = make_policy("linear")
+    state, _ = policy.transition(policy.init(), scale=4)
+    saved = RunState.from_dict(policy.state_dict(state, 4), setup)
+    assert saved.policy == state and saved.scale == 4.0
 
 
 def test_relayout_keeps_tau_and_the_estimates_and_refuses_what_cannot_run():
-    setup = setup_for("adascale", scale=4)
+    setup = setup_for("adascale")
     run = runs.start(setup, scale=4, passes=2, workers=2, measure=True)
     run, _, _ = runs.host_step(setup, run, StepInputs(stats(4), True, user()))
     grown = runs.relayout(setup, run, passes=4)
     assert (grown.scale, grown.passes, grown.policy, grown.last_lr) == (8.0, 4, run.policy, run.last_lr)
     # #47 item 3, second half: k = 1 at one worker would leave n = 1 at S > 1.
-    one = runs.start(setup_for("adascale", scale=4), scale=4, passes=2, workers=1, measure=True)
+    one = runs.start(setup_for("adascale"), scale=4, passes=2, workers=1, measure=True)
     with pytest.raises(ValueError, match=r"k went from 2 to 1 passes per step, which would take S "
                                          r"from 4 to 2: policy 'adascale' at S = 2 needs at least 2 "
                                          r"micro-gradients"):
         runs.relayout(setup, one, passes=1)
     # A fixed rule runs anywhere at S >= 1.
-    linear = setup_for("linear", scale=4)
+    linear = setup_for("linear")
     assert runs.relayout(linear, runs.start(linear, scale=4, passes=2, workers=1, measure=False),
                          passes=1).scale == 2.0
 
@@ -99,7 +98,7 @@ def test_relayout_keeps_tau_and_the_estimates_and_refuses_what_cannot_run():
 def test_a_change_of_k_that_needs_statistics_never_taken_is_refused():
     """#47 item 3: one process at S = 1 takes no statistics; set_passes(2) was accepted and the
     next step raised 'needs gradient statistics every step'."""
-    setup = setup_for("adascale", scale=1)
+    setup = setup_for("adascale")
     run = runs.start(setup, scale=1, passes=1, workers=1, measure=False)
     with pytest.raises(ValueError, match=r"k went from 1 to 2 passes per step, which would take S "
                                          r"from 1 to 2: policy 'adascale' at S = 2 needs the "
@@ -110,7 +109,7 @@ def test_a_change_of_k_that_needs_statistics_never_taken_is_refused():
 def test_an_unmeasured_short_step_counts_its_own_micro_gradients():
     """#47 item 4: a step of one pass at k = 2 counted S = 2 (the update was half the pass's
     gradient); the count it is given makes it a step at S = 1."""
-    setup = setup_for("linear", scale=2, short_steps=True)
+    setup = setup_for("linear", short_steps=True)
     run = runs.start(setup, scale=2, passes=2, workers=1, measure=False)
     run, plan, info = runs.host_step(setup, run, StepInputs(None, True, user(), count=1))
     assert (info.lr_factor, run.policy.progress, plan[0, 1]) == (1.0, 1.0, LR)
@@ -121,21 +120,21 @@ def test_an_unmeasured_short_step_counts_its_own_micro_gradients():
 def test_a_short_step_of_one_micro_gradient_takes_the_gain_from_the_estimates():
     """#47 item 5: a step of one pass at S > 1 raised 'n = 1 micro-gradients give no variance
     estimate'; its gain at its own S comes from the estimates so far."""
-    setup = setup_for("adascale", scale=4, short_steps=True)
+    setup = setup_for("adascale", short_steps=True)
     run = runs.start(setup, scale=4, passes=2, workers=1, measure=True)
     for i in range(10):
         run, _, _ = runs.host_step(setup, run, StepInputs(stats(2), True, user()))
     estimates = run.policy.estimator
     before = run.policy.progress
     run, plan, info = runs.host_step(setup, run, StepInputs([1.5, 1.0, 1.5], True, user()))
-    expected = make_policy("adascale", scale=2).with_state(run.policy).gain
+    expected = make_policy("adascale").gain(run.policy, 2)
     assert run.policy.estimator == estimates  # nothing measured
     assert info.gain == pytest.approx(expected) and 1 < info.gain <= 2
     assert run.policy.progress == pytest.approx(before + info.gain)
 
 
 def test_a_change_of_workers_in_a_step_follows_s_and_refuses_below_the_baseline():
-    setup = setup_for("linear", scale=1)
+    setup = setup_for("linear")
     run = runs.start(setup, scale=1, passes=1, workers=2, measure=False)
     with pytest.raises(ValueError, match=r"the job went from 2 to 1 worker\(s\), which would take "
                                          r"S from 1 to 0\.5.*at least 2 workers"):
@@ -147,7 +146,7 @@ def test_a_change_of_workers_in_a_step_follows_s_and_refuses_below_the_baseline(
 def test_restored_takes_the_record_at_this_jobs_layout():
     """A checkpoint or root's broadcast: the policy's record, skips and last lr are the saved
     ones; W and S per micro-batch this job's; k the saved one where k adapts (#47 item 2)."""
-    setup = setup_for("adascale", scale=2, max_passes=4)
+    setup = setup_for("adascale", max_passes=4)
     saved = runs.start(setup, scale=6, passes=3, workers=2, measure=True)
     saved, _, _ = runs.host_step(setup, saved, StepInputs(stats(6), True, user()))
     here = runs.start(setup, scale=2, passes=1, workers=2, measure=True)
@@ -157,3 +156,15 @@ def test_restored_takes_the_record_at_this_jobs_layout():
     assert runs.restored(setup, here, saved, take_passes=False).passes == 1
     with pytest.raises(ValueError, match=r"saved at 3 passes per step.*max_passes=2"):
         runs.restored(dataclasses.replace(setup, max_passes=2), here, saved, take_passes=True)
+
+
+def test_a_scale_that_is_not_a_finite_number_is_refused_before_anything_changes():
+    """Policy.rescale refused S = nan at once; with S only in the run record, start and relayout
+    must (else a record at S = nan could be saved before the next step failed)."""
+    setup = setup_for("linear")
+    run = runs.start(setup, scale=2, passes=1, workers=2, measure=False)
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"S must be a finite number >= 1"):
+            runs.relayout(setup, run, scale=bad)
+        with pytest.raises(ValueError, match=r"S must be a finite number >= 1"):
+            runs.start(setup, scale=bad, passes=1, workers=1, measure=False)

@@ -56,7 +56,7 @@ def test_item_3_a_change_of_k_that_would_need_statistics_never_taken_is_refused(
     with pytest.raises(ValueError, match=r"k went from 1 to 2 passes per step.*policy 'adascale' "
                                          r"at S = 2 needs the gradient statistics.*measure=True"):
         opt.set_passes(2)
-    assert (opt.backward_passes_per_step, opt.scale, opt.policy.steps) == (1, 1.0, 1)
+    assert (opt.backward_passes_per_step, opt.scale, opt.steps) == (1, 1.0, 1)
     _passes(model, opt, [[1.0, 0.0, 0.0]])  # the run goes on at k = 1
     measured = _torch_opt(_torch_model(), "adascale", 1, measure=True)
     measured.set_passes(2)
@@ -86,7 +86,8 @@ def test_item_4_an_unmeasured_short_step_applies_its_passes_mean_at_its_own_s(sp
     assert not opt.scaling.measure
     before = model.weight.detach().clone()
     _passes(model, opt, [[1.0, 2.0, 3.0]])  # one pass of k = 2
-    factor = make_policy(spec, scale=1).factor()
+    policy = make_policy(spec)
+    factor = policy.factor(policy.init(), 1)
     expected = before - LR * factor * torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
     assert torch.allclose(model.weight.detach(), expected, rtol=1e-12)
     assert (opt.progress, opt.lr_factor) == (1.0, factor)
@@ -102,7 +103,7 @@ def test_item_5_a_short_step_of_one_pass_at_s_above_1_takes_its_gain_from_the_es
     for i in range(5):
         _passes(model, opt, [[1.0, 0.1 * i, 0.0], [0.5, 0.0, 1.0]])
     estimates = (opt.sigma2, opt.mu2)
-    expected = opt.scaling.rule.with_state(opt.scaling.run.policy, 2.0).gain
+    expected = opt.policy.gain(opt.run_state.policy, 2.0)
     tau = opt.progress
     _passes(model, opt, [[1.0, 0.0, 0.0]])
     assert (opt.sigma2, opt.mu2) == estimates

@@ -19,11 +19,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hvd_scale import make_policy
+from hvd_scale import run as runs
 from hvd_scale.adapters.log import MetricsLogger
 from hvd_scale.metrics import LOGS_METRICS, METRICS, POLICY_METRICS, STEP_METRICS, check_names
-from hvd_scale.policies import Policy
 from hvd_scale.reduce import step_vector_size, unpack_step
-from test_policies import ALL_SPECS, SETTINGS, build, policy_state_equal, stats
+from hvd_scale.state import PROGRESS_INDEX, PolicyState
+from test_policies import ALL_SPECS, SETTINGS, stats
+
+BUDGET = 1000.0
+
+
+def build(spec: str):
+    return make_policy(spec, budget=BUDGET)
+
+
+def records_equal(policy, a: PolicyState, twin, b: PolicyState, scale: float) -> None:
+    """Two records (each read through its own policy, built from one spec) at S: the same dict,
+    the same latest factor (None in both before any step), gain and tau."""
+    assert policy.state_dict(a, scale) == twin.state_dict(b, scale)
+    assert a.lr_factor == b.lr_factor
+    assert policy.gain(a, scale) == twin.gain(b, scale) and a.progress == b.progress
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
@@ -31,58 +46,66 @@ from test_policies import ALL_SPECS, SETTINGS, build, policy_state_equal, stats
 @given(scale=st.sampled_from([1.0, 2.0, 6.0, 64.0]), groups=st.integers(1, 3), data=st.data(),
        past=st.integers(0, 5))
 def test_state_vector_round_trip_gives_identical_future(spec, scale, groups, data, past):
-    policy = build(spec, scale)
+    policy = build(spec)
+    state = policy.init()
     for _ in range(past):
-        policy.step(*data.draw(stats(groups)))
-    vector = policy.state_vector(groups)
-    assert vector.dtype == np.float64 and vector.shape == (Policy.state_vector_size(groups),)
-    assert vector[Policy.PROGRESS_INDEX] == policy.progress
-    twin = build(spec, scale)
-    twin.load_state_vector(vector.copy(), groups)
-    policy_state_equal(twin, policy)
+        state, _ = policy.transition(state, *data.draw(stats(groups)), scale=scale)
+    vector = state.to_vector(groups)
+    assert vector.dtype == np.float64 and vector.shape == (PolicyState.vector_size(groups),)
+    assert vector[PROGRESS_INDEX] == state.progress
+    twin = build(spec)
+    loaded = PolicyState.from_vector(vector.copy(), groups)
+    records_equal(twin, loaded, policy, state, scale)
     for _ in range(3):
         s, q, n = data.draw(stats(groups))
-        assert twin.step(s, q, n) == policy.step(s, q, n)
-        policy_state_equal(twin, policy)
+        loaded, a = twin.transition(loaded, s, q, n, scale=scale)
+        state, b = policy.transition(state, s, q, n, scale=scale)
+        assert a == b
+        records_equal(twin, loaded, policy, state, scale)
 
 
 def test_state_vector_of_the_wrong_size_changes_nothing():
-    policy = build("adascale", 4.0)
-    policy.step([8.0], [1.25], 4)
-    before = policy.state_dict()
+    policy = build("adascale")
+    state, _ = policy.transition(policy.init(), [8.0], [1.25], 4, scale=4.0)
+    before = policy.state_dict(state, 4.0)
     with pytest.raises(ValueError, match=r"1 parameter group.*got shape \(9,\)"):
-        policy.load_state_vector(np.zeros(9), 1)
+        PolicyState.from_vector(np.zeros(9), 1)
     with pytest.raises(ValueError, match="2 parameter group"):
-        policy.state_vector(2)
-    assert policy.state_dict() == before
+        state.to_vector(2)
+    assert policy.state_dict(state, 4.0) == before
 
 
 def test_version_1_checkpoint_still_loads():
-    policy = build("adascale", 4.0)
-    policy.step([8.0], [1.25], 4)
-    old = policy.state_dict()
+    policy = build("adascale")
+    state, _ = policy.transition(policy.init(), [8.0], [1.25], 4, scale=4.0)
+    old = policy.state_dict(state, 4.0)
     old.pop("lr_factor")
     old["version"] = 1
-    twin = build("adascale", 4.0)
-    twin.load_state_dict(json.loads(json.dumps(old)))
-    assert twin.progress == policy.progress and twin.gain == policy.gain
-    assert math.isnan(twin.lr_factor)  # nothing recorded of the latest step's factor
-    assert twin.step([8.0], [1.25], 4) == policy.step([8.0], [1.25], 4)
+    twin = build("adascale")
+    loaded = twin.load_state(json.loads(json.dumps(old)))
+    assert loaded.progress == state.progress and twin.gain(loaded, 4.0) == policy.gain(state, 4.0)
+    # nothing recorded of the latest step's factor
+    assert loaded.lr_factor is None and math.isnan(twin.metrics(loaded, 4.0)["lr_factor"])
+    assert twin.transition(loaded, [8.0], [1.25], 4, scale=4.0)[1] == \
+        policy.transition(state, [8.0], [1.25], 4, scale=4.0)[1]
 
 
 def test_lr_factor_is_the_applied_one_everywhere():
     # warmup changes its factor every step: the applied one and the next one differ.
-    policy = make_policy("warmup:baseline_steps=20", scale=5)
-    assert math.isnan(policy.lr_factor) and policy.factor() == 1.0
-    info = policy.step()
-    assert policy.lr_factor == info.lr_factor == 1.0 == policy.metrics()["lr_factor"]
-    assert policy.factor() == 2.0  # what the next step will get
-    info = policy.step()
-    assert policy.metrics()["lr_factor"] == info.lr_factor == 2.0
+    policy, scale = make_policy("warmup:baseline_steps=20"), 5
+    state = policy.init()
+    assert state.lr_factor is None and math.isnan(policy.metrics(state, scale)["lr_factor"])
+    assert policy.factor(state, scale) == 1.0
+    state, info = policy.transition(state, scale=scale)
+    assert state.lr_factor == info.lr_factor == 1.0 == policy.metrics(state, scale)["lr_factor"]
+    assert policy.factor(state, scale) == 2.0  # what the next step will get
+    state, info = policy.transition(state, scale=scale)
+    assert policy.metrics(state, scale)["lr_factor"] == info.lr_factor == 2.0 == state.lr_factor
 
 
 def test_every_metric_has_one_name_list():
-    assert tuple(make_policy("adascale", scale=4).metrics()) == POLICY_METRICS
+    policy = make_policy("adascale")
+    assert tuple(policy.metrics(policy.init(), 4)) == POLICY_METRICS
     assert set(STEP_METRICS) <= set(METRICS) and set(LOGS_METRICS) <= set(STEP_METRICS)
     check_names(STEP_METRICS)
     with pytest.raises(ValueError, match=r"unknown metric name\(s\) \['gian'\]"):
@@ -123,11 +146,17 @@ def test_step_vector_layout_and_unscaling():
 
 
 @pytest.mark.parametrize("spec", ["adascale", "linear", "warmup:baseline_steps=8"])
-def test_a_step_at_its_own_scale_leaves_the_policys_scale(spec):
-    short, ref = build(spec, 8.0), build(spec, 2.0)
-    info = short.step([8.0], [1.25], 2, scale=2.0)  # 2 of 8 micro-batches
-    assert info == ref.step([8.0], [1.25], 2)
-    assert short.scale == 8.0 and short.progress == ref.progress
+def test_a_step_at_its_own_scale_leaves_the_runs_scale(spec):
+    # A run at S = 8 (one worker x 8 passes) takes a short step of 2 of its 8 micro-batches: the
+    # step is the policy's at S = 2, and the run's S stays 8.
+    setup = runs.Setup(policy=build(spec), short_steps=True)
+    short = runs.start(setup, scale=8.0, passes=8, workers=1, measure=True)
+    short, _, info = runs.host_step(setup, short, runs.StepInputs(
+        [8.0, 2.0, 1.25], True, [[0.1, math.nan, math.nan, math.nan, math.nan, 1.0]]))
+    ref = build(spec)
+    record, expected = ref.transition(ref.init(), [8.0], [1.25], 2, scale=2.0)
+    assert info == expected
+    assert short.scale == 8.0 and short.policy.progress == record.progress
 
 
 def _rows(path):
@@ -195,14 +224,15 @@ V4_ADASCALE = {"version": 4, "policy": "adascale", "steps": 3, "progress": 5.25,
 def test_version_4_checkpoint_loads_at_another_scale_and_continues():
     """The layout did not change from version 4 to 5 (only what mu2's EMA holds): a version-4
     checkpoint loads as it is, at this job's S, and its vector form is the same floats."""
-    policy = make_policy("adascale", scale=8)
-    policy.load_state_dict(V4_ADASCALE)
-    assert (policy.steps, policy.progress, policy.skipped, policy.lr_factor) == (3, 5.25, 1, 1.75)
-    assert policy.scale == 8 and policy.estimator.sigma2 == pytest.approx(90.0)
-    assert policy.estimator.mu2 == pytest.approx(40.0)
-    np.testing.assert_array_equal(policy.state_vector(1), [3, 5.25, 1, 1.75, 3, 0.01, 0.9, 0.4])
-    assert policy.state_dict()["version"] == 5
-    info = policy.step([8.0], [1.25], 8)
+    policy, scale = make_policy("adascale"), 8
+    state = policy.load_state(V4_ADASCALE)
+    assert (state.steps, state.progress, state.skipped, state.lr_factor) == (3, 5.25, 1, 1.75)
+    assert policy.estimator(state, scale).sigma2 == pytest.approx(90.0)
+    assert policy.estimator(state, scale).mu2 == pytest.approx(40.0)
+    np.testing.assert_array_equal(state.to_vector(1), [3, 5.25, 1, 1.75, 3, 0.01, 0.9, 0.4])
+    saved = policy.state_dict(state, scale)
+    assert saved["version"] == 5 and saved["estimator"]["scale"] == 8  # saved at this job's S
+    state, info = policy.transition(state, [8.0], [1.25], 8, scale=scale)
     assert info.progress_before == 5.25 and info.step == 4
 
 
@@ -214,40 +244,46 @@ def test_version_4_checkpoints_of_removed_options_are_refused_saying_what_to_do(
     """#30 items 2 and 6: a ramp in optimizer steps and horizon=previous are gone; their
     checkpoints are refused (nothing loaded), each naming what to run instead."""
     saved = {**V4_ADASCALE, "policy": spec}
-    policy = make_policy("adascale_adam" if "adam" in spec else "warmup:baseline_steps=2000",
-                         scale=4)
-    before = policy.state_dict()
+    policy = make_policy("adascale_adam" if "adam" in spec else "warmup:baseline_steps=2000")
+    state = policy.init()
+    before = policy.state_dict(state, 4)
     with pytest.raises(ValueError, match=pattern):
-        policy.load_state_dict(saved)
-    assert policy.state_dict() == before
+        policy.load_state(saved)
+    assert policy.state_dict(state, 4) == before
 
 
 def test_efficiency_is_the_applied_gain_over_s():
     """#30 item 3: adascale_adam's efficiency used the uncapped gain (S = 64, capped gain 8:
     0.150 logged, not 0.125); advise and the plots read it."""
     import hvd_scale.policies as policies
-    policy = make_policy("adascale_adam", scale=64)
+    policy, scale = make_policy("adascale_adam"), 64
+    state = policy.init()
     for _ in range(policies.AdaScaleAdam.MIN_ADAM_HISTORY + 5):
-        policy.step([64.0], [1e-9], 64)  # noise only: the measured gain is near S
-    assert policy.estimator.gain > 9 and policy.gain == 8.0
-    assert policy.metrics()["gain"] == 8.0
-    assert policy.metrics()["efficiency"] == 8.0 / 64
+        # noise only: the measured gain is near S
+        state, _ = policy.transition(state, [64.0], [1e-9], 64, scale=scale)
+    assert policy.estimator(state, scale).gain > 9 and policy.gain(state, scale) == 8.0
+    assert policy.metrics(state, scale)["gain"] == 8.0
+    assert policy.metrics(state, scale)["efficiency"] == 8.0 / 64
+    assert policy.efficiency(state, scale) == 8.0 / 64
 
 
 def test_state_record_is_frozen_and_a_step_replaces_it():
     """The record is never changed in place: a step returns a new one (what a Keras host call or
     a broadcast holds stays what it was)."""
     import dataclasses
-    policy = make_policy("adascale", scale=4)
-    before = policy.state
-    policy.step([8.0], [1.25], 4)
-    assert before.steps == 0 and policy.state.steps == 1 and policy.state is not before
+    policy = make_policy("adascale")
+    before = policy.init()
+    state, _ = policy.transition(before, [8.0], [1.25], 4, scale=4)
+    assert before.steps == 0 and state.steps == 1 and state is not before
     with pytest.raises(dataclasses.FrozenInstanceError):
-        policy.state.progress = 3.0
+        state.progress = 3.0
     # transition is pure: the same record and statistics give the same record, any number of times.
     again, info = policy.transition(before, [8.0], [1.25], 4, scale=4)
-    np.testing.assert_array_equal(again.to_vector(1), policy.state.to_vector(1))
+    np.testing.assert_array_equal(again.to_vector(1), state.to_vector(1))
     assert info.step == 1 and before.steps == 0
+    # ... and the policy is a frozen configuration, holding no record to change.
+    with pytest.raises(AttributeError, match="frozen configuration"):
+        policy.budget = 10.0
 
 
 def test_log_interval_keeps_a_long_run_small_and_its_last_step(tmp_path):

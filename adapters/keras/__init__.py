@@ -9,7 +9,8 @@ policy. With ``KERAS_BACKEND=tensorflow`` it runs on ``horovod.tensorflow``, wit
     opt = DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), policy="adascale")
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
     model.fit(x_shard, y_shard, epochs=1000,
-              callbacks=[BroadcastInitialState(), ScalingMetrics(budget=5000), keras.callbacks.CSVLogger(f)])
+              callbacks=[BroadcastInitialState(), ScalingMetrics(budget=5000), keras.callbacks.CSVLogger(f),
+                         BudgetProgbar()])       # 'Epoch 5/~12 (tau 1234/5000)'
 
 Custom training loops work the same way (under TensorFlow eagerly or inside ``tf.function``):
 
@@ -42,7 +43,7 @@ Conventions and limits:
   ``adapt="goodput"`` makes k a variable the traced step reads, chosen between steps
   (``adapt_passes``: the callbacks call it under ``fit``).
 * A step whose averaged gradient or statistics are not finite is skipped on every rank: weights,
-  inner optimizer state, statistics and tau stay (``policy.skipped`` counts it);
+  inner optimizer state, statistics and tau stay (``opt.skipped`` counts it);
   ``nonfinite="raise"`` raises instead. With a ``LossScaleOptimizer`` inside, that optimizer
   still sees the step so it can lower its scale.
 * Mixed precision: ``mixed_bfloat16`` as it is; ``mixed_float16``: wrap as
@@ -61,11 +62,11 @@ Conventions and limits:
 """
 
 from . import backends
-from .callbacks import BroadcastInitialState, ScalingMetrics
+from .callbacks import BroadcastInitialState, BudgetProgbar, ScalingMetrics
 from .elastic import CommitState, ElasticState, elastic_run
 from .optimizer import DistributedOptimizer, broadcast_state
 
 hvd = backends.current().hvd  # horovod.tensorflow or horovod.torch, as the Keras backend needs
 
-__all__ = ["BroadcastInitialState", "CommitState", "DistributedOptimizer", "ElasticState",
+__all__ = ["BroadcastInitialState", "BudgetProgbar", "CommitState", "DistributedOptimizer", "ElasticState",
            "ScalingMetrics", "broadcast_state", "elastic_run", "hvd"]

@@ -37,8 +37,9 @@ import numpy as np
 from keras import ops
 
 from hvd_scale.adapters import environment
-from hvd_scale.adapters.adapt import ADAPT_EVERY, check_passes
-from hvd_scale.adapters.core import PLAN, USER_SETTINGS, Readout, Scaling, precondition, run_step
+from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, check_passes
+from hvd_scale.adapters.core import (PLAN, USER_SETTINGS, Framework, Readout, Request, Scaling,
+                                    precondition, run_step)
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
 from hvd_scale.reduce import wire_copies, wire_sums
@@ -167,17 +168,19 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                              f"{owner.gradient_accumulation_steps}) instead")
         optimizer_name = type(owner).__name__
         base_lrs, agreed = _lr_for_agreement(owner)
-        scaling = Scaling(backend.hvd, policy=policy, passes=backward_passes_per_step, scale=scale,
-                          budget=budget, optimizer_name=optimizer_name,
-                          framework=f"keras/{backend.name}", groups=GROUPS, measure=measure,
-                          log_dir=environment.log_dir(log_dir), log_every=environment.log_every(),
-                          nonfinite=nonfinite,
-                          base_lrs=base_lrs, agreed=agreed, elastic=environment.elastic(),
-                          eps_placement=EPS_RAW, adapt=adapt, max_passes=max_passes,
-                          adapt_every=adapt_every)
-        if scaling.rule.statistics == "preconditioned" and \
+        scaling = Scaling(
+            backend.hvd,
+            Request(policy=policy, passes=backward_passes_per_step, scale=scale, budget=budget,
+                    measure=measure, nonfinite=nonfinite, log_dir=environment.log_dir(log_dir),
+                    log_every=environment.log_every()),
+            Framework(optimizer_name=optimizer_name, name=f"keras/{backend.name}",
+                      groups=GROUPS, base_lrs=base_lrs, eps_placement=EPS_RAW,
+                      elastic=environment.elastic(), agreed=agreed),
+            adaptation=Adaptation(adapt, max_passes, adapt_every,
+                                  check_passes(backward_passes_per_step), measure))
+        if scaling.policy.statistics == "preconditioned" and \
                 not all(hasattr(owner, a) for a in _ADAM_SLOTS):
-            raise ValueError(f"policy {scaling.rule.name!r} measures Adam-preconditioned "
+            raise ValueError(f"policy {scaling.policy.name!r} measures Adam-preconditioned "
                              f"gradients, but {optimizer_name} has no second moment (beta_2, epsilon)")
 
         super().__init__(learning_rate=0.0, name=name)
@@ -450,7 +453,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         factor of 0 applies nothing (a LossScaleOptimizer still sees the step, with lr 0)."""
         grads, variables = step
         factor, lr, adam = plan[0, 0], plan[0, 1], None
-        if self.scaling.rule.moments_in_progress:  # the same on every rank: fixed by the spec
+        if self.scaling.policy.moments_in_progress:  # the same on every rank: fixed by the spec
             dtype = keras.backend.standardize_dtype(variables[0].dtype)
             adam = [ops.cast(plan[0, i], dtype) for i in range(2, 6)]
         if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
@@ -507,20 +510,20 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
 
     def _precondition(self, grads, variables):
         """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
-        if self.scaling.rule.statistics != "preconditioned":
+        if self.scaling.policy.statistics != "preconditioned":
             return grads
         owner = _lr_owner(self.inner_optimizer)
         t = ops.cast(owner.iterations, "float32")
         # 1 - beta_2 ** t; with horizons in progress the exponents applied add up to tau (plus
         # any update the policy did not account: hvd_scale.moments.moment_progress).
         exponent = t
-        if self.scaling.rule.moments_in_progress:
+        if self.scaling.policy.moments_in_progress:
             state = ops.cast(self._state.value, "float32")
             exponent = moment_progress(state[_PROGRESS], state[_STEPS], t, maximum=ops.maximum)
         bias_correction2 = bias_correction(ops.cast(owner.beta_2, "float32"), exponent)
         velocities = getattr(owner, "_velocities", None)
         if velocities is None:
-            raise ValueError(f"policy {self.scaling.rule.name!r} needs the second moment of "
+            raise ValueError(f"policy {self.scaling.policy.name!r} needs the second moment of "
                              f"{type(owner).__name__}, which keeps no `_velocities`")
         out = []
         for g, v in zip(grads, variables):
@@ -537,11 +540,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
 
     # -- the engine's state in a variable -----------------------------------------------------------
     @property
-    def policy(self) -> Policy:
-        """The engine's policy at the record ``hvd_scale_state`` holds (read it eagerly): a new
-        object each read, so reading changes nothing; before the first build, the initial one."""
+    def run_state(self) -> RunState:
+        """The run's record ``hvd_scale_state`` holds (read it eagerly); before the first build,
+        the initial one."""
         self._follow_variable()
-        return self.scaling.policy
+        return self.scaling.run
 
     # -- forwarded to the inner optimizer ---------------------------------------------------------
     @property
@@ -589,7 +592,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         # Constructor arguments only; the policy as its resolved spec (not $HVD_SCALE_POLICY).
         return {"name": self.name,
                 "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-                "policy": self.scaling.rule.spec, **self._config}
+                "policy": self.scaling.policy.spec, **self._config}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -599,7 +602,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         return cls(inner, **config)
 
     def __repr__(self) -> str:
-        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.scaling.rule.spec!r})"
+        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.scaling.policy.spec!r})"
 
 
 def broadcast_state(model, optimizer=None, root_rank: int = 0) -> None:

@@ -105,6 +105,11 @@ class Checkpoints:
 def broadcast_state(model: torch.nn.Module, optimizer, root_rank: int = 0) -> None:
     """Broadcast the model, the optimizer state and the run's record (the policy's state and
     k under adapt="goodput") from root_rank."""
+    if not isinstance(optimizer, Checkpoints):
+        raise TypeError(f"broadcast_state(model, optimizer) takes the hvd_scale "
+                        f"DistributedOptimizer, got {type(optimizer).__name__}: call it after "
+                        "wrapping the optimizer (Horovod's scripts broadcast before wrapping; "
+                        "with hvd_scale the optimizer's run record is broadcast too)")
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
     hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
     optimizer.sync_run(root_rank)

@@ -32,8 +32,8 @@ import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters import environment
-from hvd_scale.adapters.adapt import ADAPT_EVERY, check_passes
-from hvd_scale.adapters.core import USER_SETTINGS, Readout, Scaling, run_step
+from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, check_passes
+from hvd_scale.adapters.core import USER_SETTINGS, Framework, Readout, Request, Scaling, run_step
 from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
@@ -98,7 +98,7 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         log_dir: write per-step metrics there on rank 0 (CSV, TensorBoard, a progress bar);
             default ``$HVD_SCALE_LOG_DIR`` (set by ``hvd-scale run --log-dir``), else none.
         nonfinite: a step whose gradients are not finite is skipped on every rank ("skip",
-            counted in ``policy.skipped``) or raises FloatingPointError on every rank ("raise").
+            counted in ``opt.skipped``) or raises FloatingPointError on every rank ("raise").
         guard: a ``hvd_scale.guard.SharpnessGuard``: every N steps the top Hessian eigenvalue is
             measured on each worker's batch and averaged, and lr x factor is capped at the
             optimizer's stability limit (SGD, Adam, AdamW). Its steps need
@@ -132,18 +132,20 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         process_set = horovod_options.get("process_set", hvd.global_process_set)
         # S, n, the agreement and the statistics live within the process set, as the gradients do.
         self._process_set = process_set
-        self.scaling = Scaling(ProcessSetBinding(process_set), policy=policy,
-                               passes=backward_passes_per_step, scale=scale, budget=budget, optimizer_name=type(optimizer).__name__,
-                               framework="torch", groups=len(optimizer.param_groups),
-                               base_lrs=[g.get("lr") for g in optimizer.param_groups],
-                               measure=measure, log_dir=environment.log_dir(log_dir),
-                               log_every=environment.log_every(),
-                               nonfinite=nonfinite, short_steps=True, guard=guard,
-                               check=lambda _: _check_op(op), elastic=environment.elastic(),
-                               lr_names=[f"param_groups[{i}]['lr']"
-                                         for i in range(len(optimizer.param_groups))],
-                               eps_placement=EPS_CORRECTED, adapt=adapt,
-                               max_passes=max_passes, adapt_every=adapt_every)
+        groups = len(optimizer.param_groups)
+        self.scaling = Scaling(
+            ProcessSetBinding(process_set),
+            Request(policy=policy, passes=backward_passes_per_step, scale=scale, budget=budget,
+                    measure=measure, nonfinite=nonfinite, log_dir=environment.log_dir(log_dir),
+                    log_every=environment.log_every()),
+            Framework(optimizer_name=type(optimizer).__name__, name="torch", groups=groups,
+                      base_lrs=[g.get("lr") for g in optimizer.param_groups],
+                      lr_names=[f"param_groups[{i}]['lr']" for i in range(groups)],
+                      eps_placement=EPS_CORRECTED, short_steps=True,
+                      elastic=environment.elastic(), check=lambda _: _check_op(op)),
+            adaptation=Adaptation(adapt, max_passes, adapt_every,
+                                  check_passes(backward_passes_per_step), measure),
+            guard=guard)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self._measure = self.scaling.measure  # fixed for the optimizer's life (its hooks)
@@ -219,11 +221,6 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         """Where the statistics are made: the gradients' device."""
         return next(self._params()).device
 
-    @property
-    def policy(self) -> Policy:
-        """The engine's policy at the run's record (steps, tau, estimates): a view for reading."""
-        return self.scaling.policy
-
     # -- the Horovod protocol -------------------------------------------------------------------
     def synchronize(self) -> None:
         """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``.
@@ -290,7 +287,7 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         """Synchronize, let the policy plan the step, and apply it (``core.run_step``).
 
         A step whose gradients are not finite is skipped on every rank: weights, optimizer state,
-        statistics and progress stay as they were (``policy.skipped`` counts it). A group's lr
+        statistics and progress stay as they were (``opt.skipped`` counts it). A group's lr
         that has become negative or not finite raises ValueError naming the group, with nothing
         applied or counted (``Scaling.check_lrs``).
         ``guard_loss``: with a ``guard``, a function returning this worker's loss on its current
@@ -439,4 +436,4 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         torch.optim.Optimizer.zero_grad(self._hvd_opt, set_to_none=set_to_none)
 
     def __repr__(self) -> str:
-        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy!r})"
+        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy.spec!r})"

@@ -99,7 +99,7 @@ class Statistics:
                                     process_set=self._process_set)
 
     def _make_norm_hook(self, group_index: int, p: torch.Tensor, index: int):
-        precondition = self.scaling.rule.statistics == "preconditioned"
+        precondition = self.scaling.policy.statistics == "preconditioned"
 
         def hook(grad: torch.Tensor) -> None:
             if self._hooks_paused:
@@ -161,7 +161,7 @@ class Statistics:
         gradients allow it (dense, one dtype); adascale_adam's preconditioned gradients one at a
         time (one alive at a time, not the whole model's)."""
         grads = [p.grad for p in params]
-        if self.scaling.rule.statistics == "preconditioned":
+        if self.scaling.policy.statistics == "preconditioned":
             return torch.cat([self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
                               for p, g in zip(params, grads)])
         return norms(grads)
@@ -218,7 +218,8 @@ class Statistics:
         state = self.state.get(p)
         if not state or "exp_avg_sq" not in state:
             return grad  # first step: no second moment yet, the plain gradient
-        bias_correction2 = self.policy.second_moment_correction(group["betas"][1], float(state["step"]))
+        bias_correction2 = self.scaling.policy.second_moment_correction(
+            self.scaling.run.policy, group["betas"][1], float(state["step"]))
         if bias_correction2 == 0.0:
             return grad  # v holds no gradient yet
         return precondition(grad, state["exp_avg_sq"], bias_correction2, group["eps"], torch.Tensor.sqrt_)

@@ -37,16 +37,16 @@ def emit(hvd, **values) -> None:
 
 def after_step(hvd, args, state, opt) -> None:
     """Report the step; crash or resize once when asked; slow down. Between step and commit."""
-    emit(hvd, kind="step", step=opt.policy.steps, size=hvd.size(), scale=opt.scale,
+    emit(hvd, kind="step", step=opt.steps, size=hvd.size(), scale=opt.scale,
          progress=opt.progress, gain=opt.gain, passes=opt.backward_passes_per_step)
     if not _FIRST_RANK:
         _FIRST_RANK.append(hvd.rank())
     if (args.die_on_host and os.environ.get("HOROVOD_HOSTNAME") == args.die_on_host
-            and opt.policy.steps >= args.die_at):
+            and opt.steps >= args.die_at):
         os._exit(1)  # a crash: no goodbye to the others
-    if args.die_first_rank == _FIRST_RANK[0] and opt.policy.steps >= args.die_at:
+    if args.die_first_rank == _FIRST_RANK[0] and opt.steps >= args.die_at:
         os._exit(1)
-    if args.resize_at is not None and not state.resized and opt.policy.steps >= args.resize_at:
+    if args.resize_at is not None and not state.resized and opt.steps >= args.resize_at:
         state.resized = True  # on every rank, so the flag is committed alike
         if hvd.rank() == 0:
             with open(args.hosts_file + ".tmp", "w") as f:
@@ -57,5 +57,5 @@ def after_step(hvd, args, state, opt) -> None:
 
 def emit_final(hvd, opt, eval_loss: float, checksum: float, **extra) -> None:
     emit(hvd, kind="final", size=hvd.size(), scale=opt.scale, progress=opt.progress,
-         eval_loss=eval_loss, steps=opt.policy.steps, sigma2=opt.sigma2, checksum=checksum,
+         eval_loss=eval_loss, steps=opt.steps, sigma2=opt.sigma2, checksum=checksum,
          **extra)

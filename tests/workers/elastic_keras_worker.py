@@ -79,7 +79,7 @@ def main():
         @run
         def train(state):
             while not opt.done():
-                x, y = zip(*(batch(opt.policy.steps + i, hvd.rank()) for i in range(50)))
+                x, y = zip(*(batch(opt.steps + i, hvd.rank()) for i in range(50)))
                 model.fit(np.concatenate(x), np.concatenate(y), batch_size=16, epochs=1,
                           shuffle=False, verbose=0,
                           callbacks=[ScalingMetrics(), Report(), CommitState(state)])
@@ -94,12 +94,12 @@ def main():
         @run
         def train(state):
             while not opt.done():
-                x, y = batch(opt.policy.steps, hvd.rank())
+                x, y = batch(opt.steps, hvd.rank())
                 for _ in range(opt.backward_passes_per_step):  # 2 after --passes-at
                     train_step(x, y)
                 if args.passes_at is not None:
                     opt.adapt_passes()
-                    if opt.policy.steps == args.passes_at:
+                    if opt.steps == args.passes_at:
                         opt.set_passes(2)
                 after_step(hvd, args, state, opt)
                 state.commit()  # commits the policy with the weights, and checks for host changes

@@ -39,7 +39,7 @@ def main():
     @hvd.elastic.run
     def train(state):
         while not opt.done():
-            step = opt.policy.steps
+            step = opt.steps
             g = torch.Generator().manual_seed(1000 * step + hvd.rank())
             x = torch.randn(16, 8, generator=g)
             y = (x @ TEACHER).argmax(1)  # a learnable task, so runs can be compared on quality
@@ -47,7 +47,7 @@ def main():
             for _ in range(opt.backward_passes_per_step):  # 2 after --passes-at
                 torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-            if args.passes_at is not None and opt.policy.steps == args.passes_at:
+            if args.passes_at is not None and opt.steps == args.passes_at:
                 opt.set_passes(2)
             after_step(hvd, args, state, opt)
             state.commit()  # commits the policy with the optimizer, and checks for host changes

@@ -84,7 +84,7 @@ def main():
         error = None
     except ValueError as e:
         error = str(e)
-    emit_result(case="missing", rank=hvd.rank(), error=error, steps=opt.policy.steps)
+    emit_result(case="missing", rank=hvd.rank(), error=error, steps=opt.steps)
 
     # 3. Adam: no second moment before the first step, so the guard measures before the second.
     model, opt = model_and_opt(kind="Adam", policy="linear",

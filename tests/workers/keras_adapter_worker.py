@@ -207,8 +207,8 @@ def case_adapt_goodput():
             self.ks, self.steps = [], None
 
         def on_train_batch_begin(self, batch, logs=None):
-            if opt.policy.steps != self.steps:
-                self.steps = opt.policy.steps
+            if opt.steps != self.steps:
+                self.steps = opt.steps
                 self.ks.append(opt.backward_passes_per_step)
 
     ks = Ks()
@@ -307,8 +307,8 @@ class Recorder(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         opt = self.model.optimizer
-        if opt.policy.steps != self._steps:
-            self._steps = opt.policy.steps
+        if opt.steps != self._steps:
+            self._steps = opt.steps
             self.rows.append({"gain": opt.gain, "progress": opt.progress})
 
 
@@ -571,7 +571,7 @@ def case_nonfinite():
             after = weights_vector(model)
             rows.append({"moved": float(np.max(np.abs(after - before))), "progress": opt.progress,
                          "iterations": int(opt.iterations.numpy()), "sigma2": opt.sigma2})
-        out[policy] = {"rows": rows, "skipped": opt.policy.skipped, "start_hash": start_hash,
+        out[policy] = {"rows": rows, "skipped": opt.skipped, "start_hash": start_hash,
                        "hash": weights_hash(model), "measured": opt.scaling.measure}
     emit("nonfinite", **out)
 
@@ -598,7 +598,7 @@ def case_loss_scale():
             plain_opt.apply(grads_of(plain, x, y), plain.trainable_variables)
         rows.append({"moved": moved, "progress": opt.progress, "sigma2": opt.sigma2,
                      "plain_sigma2": plain_opt.sigma2, "loss_scale": float(inner.dynamic_scale.numpy())})
-    emit("loss_scale", rows=rows, skipped=opt.policy.skipped,
+    emit("loss_scale", rows=rows, skipped=opt.skipped,
          max_weight_diff=float(np.max(np.abs(weights_vector(model) - weights_vector(plain)))))
 
 
@@ -652,8 +652,8 @@ def case_hardening():
             error = error_of(lambda: step_fn(*micro_batch(rank, step, 0)))
             opt.learning_rate = LR
             rows.append({"error": error, "moved": float(np.max(np.abs(weights_vector(model) - before))),
-                         "progress": opt.progress, "steps": opt.policy.steps,
-                         "skipped": opt.policy.skipped, "iterations": int(opt.iterations.numpy())})
+                         "progress": opt.progress, "steps": opt.steps,
+                         "skipped": opt.skipped, "iterations": int(opt.iterations.numpy())})
         out[f"bad_lr_{mode}"] = {"rows": rows, "hash": weights_hash(model)}
 
     # Finite float32 gradients with |g| ~ 1e21: float32 squares overflow above ~1.8e19.
@@ -668,8 +668,8 @@ def case_hardening():
         before = weights_vector(model)
         error = error_of(lambda: opt.apply(grads, model.trainable_variables))
         after = weights_vector(model)
-        large[policy] = {"error": error, "grad_norm": norm, "skipped": opt.policy.skipped,
-                         "steps": opt.policy.steps, "progress": opt.progress,
+        large[policy] = {"error": error, "grad_norm": norm, "skipped": opt.skipped,
+                         "steps": opt.steps, "progress": opt.progress,
                          "moved": float(np.max(np.abs(after - before))),
                          "finite": bool(np.all(np.isfinite(after))), "sigma2": opt.sigma2}
     out["large_gradients"] = large
@@ -751,7 +751,7 @@ def case_uneven():
                                      callbacks=[BroadcastInitialState()]))
     alive = float(np.asarray(hvd.allreduce(np.ones(1), op=hvd.Sum, name="uneven.alive"))[0]) \
         if TF else float(hvd.allreduce(__import__("torch").ones(1), op=hvd.Sum, name="uneven.alive"))
-    emit("uneven", error=error, steps=opt.policy.steps, alive=alive)
+    emit("uneven", error=error, steps=opt.steps, alive=alive)
 
 
 def steps_for_resize(model, opt, start, stop, passes):

@@ -33,18 +33,18 @@ def main():
         opt.load_state_dict(saved["opt"])
     broadcast_state(model, opt)
     logged = {}
-    while opt.policy.steps < args.steps:
-        g = torch.Generator().manual_seed(100 * opt.policy.steps + hvd.rank())
+    while opt.steps < args.steps:
+        g = torch.Generator().manual_seed(100 * opt.steps + hvd.rank())
         x = torch.randn(8, 6, generator=g)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), x[:, :3].argmax(1))
         loss.backward()
         opt.step()
         opt.log_loss(loss.detach())
-        logged[opt.policy.steps] = loss.item()
-        if opt.policy.steps == args.twice_at:
+        logged[opt.steps] = loss.item()
+        if opt.steps == args.twice_at:
             opt.log_loss(loss.detach() + 1.0)  # a mistake: warned of, not logged
-        if opt.policy.steps == args.save_at and hvd.rank() == 0:
+        if opt.steps == args.save_at and hvd.rank() == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, args.checkpoint)
     opt.close()
     emit_result(rank=hvd.rank(), logged=logged)

@@ -108,7 +108,7 @@ def run_keras(k, adam=False):
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if opt.policy.steps > len(rows):
+            if opt.steps > len(rows):
                 rows.append({"gain": opt.gain, "progress": opt.progress, "sigma2": opt.sigma2,
                              "mu2": opt.mu2})
 

@@ -32,7 +32,7 @@ def check(opt, micro_step, weights) -> dict:
             micro_step(step * 2 + micro)
     return {"is_protocol": isinstance(opt, FrameworkOptimizer),
             "signatures": signatures(type(opt)), "expected": signatures(FrameworkOptimizer),
-            "calls": calls, "steps": opt.policy.steps, "progress": opt.policy.progress,
+            "calls": calls, "steps": opt.steps, "progress": opt.progress,
             "moved": float(np.abs(weights() - before).max())}
 
 

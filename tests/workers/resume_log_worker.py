@@ -31,22 +31,22 @@ def main():
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
     broadcast_state(model, opt)
-    resumed_from = opt.policy.steps
-    while opt.policy.steps < args.steps:
+    resumed_from = opt.steps
+    while opt.steps < args.steps:
         opt.zero_grad()
         for j in range(2):
-            g = torch.Generator().manual_seed(100 * opt.policy.steps + 10 * hvd.rank() + j)
+            g = torch.Generator().manual_seed(100 * opt.steps + 10 * hvd.rank() + j)
             x = torch.randn(8, 6, generator=g)
             loss = torch.nn.functional.cross_entropy(model(x), (x[:, :3]).argmax(1))
             loss.backward()
         opt.step()
         opt.log_loss(loss.detach())  # the step just taken's row
-        if opt.policy.steps % 3 == 0 and hvd.rank() == 0:
+        if opt.steps % 3 == 0 and hvd.rank() == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, args.checkpoint)
-        if args.crash_at == opt.policy.steps and hvd.rank() == 0:
+        if args.crash_at == opt.steps and hvd.rank() == 0:
             os._exit(1)
     opt.close()
-    emit_result(rank=hvd.rank(), resumed_from=resumed_from, steps=opt.policy.steps,
+    emit_result(rank=hvd.rank(), resumed_from=resumed_from, steps=opt.steps,
                 progress=opt.progress)
 
 

@@ -224,7 +224,7 @@ def case_amp():
         rows.append({"step": step, "moved": moved, "progress": opt.progress, "gain": opt.gain,
                      "sigma2": opt.sigma2, "plain_sigma2": plain_opt.sigma2})
     # The skip is counted when the next step synchronizes.
-    emit("amp", rows=rows, skipped=opt.policy.skipped)
+    emit("amp", rows=rows, skipped=opt.skipped)
 
 
 def case_nonfinite():
@@ -244,7 +244,7 @@ def case_nonfinite():
         after = params_vector(model)
         rows.append({"moved": float((after - before).abs().max()) if torch.isfinite(after).all()
                      else float("nan"), "progress": opt.progress})
-    emit("nonfinite", rows=rows, skipped=opt.policy.skipped)
+    emit("nonfinite", rows=rows, skipped=opt.skipped)
 
 
 def case_unused():
@@ -400,7 +400,7 @@ def case_adam_horizons():
                     c1, c2 = 1 - betas[0] ** exponent, 1 - betas[1] ** exponent
                     p.sub_(lr * opt.lr_factor / c1 * m / ((v / c2).sqrt() + eps / math.sqrt(horizon)))
             rows.append({"gain": r, "lr_factor": opt.lr_factor, "progress": tau,
-                         "measured": opt.policy.estimator.gain,
+                         "measured": opt.policy.estimator(opt.run_state.policy, opt.scale).gain,
                          "diff": float((params_vector(model) - params_vector(ref)).abs().max())})
         group = opt.param_groups[0]
         saved = opt.state_dict()
@@ -588,7 +588,7 @@ def case_hardening():
         error = error_of(opt.step)
         opt.param_groups[1]["lr"] = LR
         bad_lr[str(step)] = {"error": error, "moved": float((params_vector(model) - before).abs().max()),
-                             "steps": opt.policy.steps, "skipped": opt.policy.skipped,
+                             "steps": opt.steps, "skipped": opt.skipped,
                              "progress": opt.progress}
     bad_lr["weights_sum"] = float(hvd.allreduce(params_vector(model).sum(), op=hvd.Sum,
                                                 name="hardening.weights")) / hvd.size()
@@ -614,8 +614,8 @@ def case_hardening():
         grad_norm = float(torch.stack([p.grad.double().norm() for p in ref.parameters()]).norm())
         error = error_of(opt.step)
         after = params_vector(model)
-        large[name] = {"error": error, "grad_norm": grad_norm, "skipped": opt.policy.skipped,
-                       "steps": opt.policy.steps, "progress": opt.progress,
+        large[name] = {"error": error, "grad_norm": grad_norm, "skipped": opt.skipped,
+                       "steps": opt.steps, "progress": opt.progress,
                        "moved": float((after - before).abs().max()),
                        "finite": bool(torch.isfinite(after).all()),
                        "sigma2": opt.sigma2, "mu2": opt.mu2}
@@ -842,9 +842,9 @@ def case_one_process():
             ref_opt.zero_grad()
             loss_fn(ref, *micro_batch(0, step, 0)).backward()
             ref_opt.step()
-        out[policy] = {"progress": opt.progress, "gain": opt.gain, "steps": opt.policy.steps,
+        out[policy] = {"progress": opt.progress, "gain": opt.gain, "steps": opt.steps,
                        "hooks": len(opt._hooks), "measured": opt.scaling.measure,
-                       "skipped": opt.policy.skipped, "lr": opt.param_groups[0]["lr"],
+                       "skipped": opt.skipped, "lr": opt.param_groups[0]["lr"],
                        "max_diff_to_reference": float((params_vector(model) - params_vector(ref)).abs().max())}
     emit("one_process", **out)
 
@@ -890,7 +890,7 @@ def case_soundness():
     opt2.zero_grad()
     for j in range(2):
         loss_fn(model2, *micro_batch(hvd.rank(), 30, j)).backward()
-    out["fresh_adam"] = {"error": error_of(opt2.step), "steps": opt2.policy.steps,
+    out["fresh_adam"] = {"error": error_of(opt2.step), "steps": opt2.steps,
                          "unchanged": torch.equal(before, params_vector(model2)),
                          "tau": opt2.progress, "saved_tau": opt.progress}
     emit("soundness", **out)

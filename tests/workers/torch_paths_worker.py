@@ -121,9 +121,9 @@ def case_unfreeze():
         try:
             opt.step()
         except ValueError as e:
-            emit("unfreeze", step=step, error=str(e), steps=opt.policy.steps)
+            emit("unfreeze", step=step, error=str(e), steps=opt.steps)
             return
-    emit("unfreeze", step=None, error=None, steps=opt.policy.steps)
+    emit("unfreeze", step=None, error=None, steps=opt.steps)
 
 
 def case_unmeasured_nonfinite():
@@ -143,7 +143,7 @@ def case_unmeasured_nonfinite():
         opt.step()
         rows.append({"moved": bool((flat(model) != before).any()),
                      "finite": bool(flat(model).isfinite().all()), "progress": opt.progress})
-    emit("unmeasured_nonfinite", rows=rows, skipped=opt.policy.skipped)
+    emit("unmeasured_nonfinite", rows=rows, skipped=opt.skipped)
 
 
 CASES = {"checkpointing": case_checkpointing, "short": case_short, "unfreeze": case_unfreeze,

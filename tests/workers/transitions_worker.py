@@ -91,13 +91,12 @@ def row(ranks, opt, k, change, step):
     """A step's (lr factor, tau, S, n = W x k, skipped, the micro-batches all ranks took): n,
     since the reference takes W x k; the last from the schedule, not from the optimizer (the
     test checks tau's advance against it)."""
-    policy = opt.policy
     n = k * (1 if ranks.simulate else ranks.workers)
     per_rank = k_schedule(change, step)
     taken = sum(len(passes_of(change, step, r, per_rank, ranks.workers))
                 for r in range(ranks.workers))
-    return [float(opt.lr_factor), float(policy.progress), float(policy.scale), int(n),
-            int(policy.skipped), taken]
+    return [float(opt.lr_factor), float(opt.progress), float(opt.scale), int(n),
+            int(opt.skipped), taken]
 
 
 # -- torch -------------------------------------------------------------------------------------
@@ -259,11 +258,11 @@ def keras_cell(ranks, loop, change, spec, measured, args):
     class Steps(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.seen, self.stop = opt.policy.steps + opt.policy.skipped, False
+            self.seen, self.stop = opt.steps + opt.skipped, False
 
         def on_train_batch_end(self, batch, logs=None):
             o = self.model.optimizer
-            done = o.policy.steps + o.policy.skipped
+            done = o.steps + o.skipped
             if done > self.seen:
                 self.seen = done
                 step = first + len(rows)

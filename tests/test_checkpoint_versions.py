@@ -1,0 +1,118 @@
+"""A checkpoint saved before the run record (version 5: ``{"inner", "hvd_scale": the policy's
+dict, "passes"}``) loads through the torch adapter's public ``load_state_dict`` and the run goes
+on as if it had never stopped (issue #47: checkpoints carry the whole record; the engine's
+migration alone is tests/test_run.py's); and ``broadcast_state`` given the optimizer before
+the wrap says so. One process, the optimizer in this one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from hvdrun import requires_horovod
+
+pytestmark = [requires_horovod]
+
+LR = 0.1
+XS = [[0.3, -1.2, 0.5], [1.1, 0.4, -0.7], [-0.2, 0.9, 1.3], [0.8, -0.5, 0.1], [0.6, 0.2, -1.0],
+      [-1.4, 0.3, 0.7], [0.5, 1.5, -0.3], [0.9, -0.8, 0.4], [-0.6, 0.1, 1.2], [1.0, 1.0, -1.1]]
+
+
+def _model():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1, bias=False).double()
+
+
+def _opt(model, spec, k, **kw):
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_scale.adapters.torch import DistributedOptimizer
+    hvd.init()
+    return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                                named_parameters=model.named_parameters(), policy=spec,
+                                backward_passes_per_step=k, measure=True, **kw)
+
+
+def _step(model, opt, xs):
+    import torch
+    opt.zero_grad()
+    for x in xs:
+        # A loss whose gradient differs between micro-batches: the variance is measurable.
+        (model(torch.tensor([x], dtype=torch.float64)) - 1.0).pow(2).sum().backward()
+    opt.step()
+
+
+def _as_version_5(state_dict: dict) -> dict:
+    """What a version-5 DistributedOptimizer.state_dict() held: the policy's own dict (its
+    version 5, unchanged since) and k beside it; no skips in a row, no last lr, no layout."""
+    state_dict = copy.deepcopy(state_dict)  # as from a file: no tensor shared with the optimizer
+    record = state_dict["hvd_scale"]
+    assert record["policy"]["version"] == 5
+    return {"inner": state_dict["inner"], "hvd_scale": record["policy"],
+            "passes": record["passes"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("spec", ["adascale", "warmup:baseline_steps=6", "linear"])
+def test_a_version_5_torch_checkpoint_resumes_as_if_never_stopped(spec):
+    import torch
+    k = 2
+    model = _model()
+    opt = _opt(model, spec, k)
+    for i in range(3):
+        _step(model, opt, XS[2 * i:2 * i + 2])
+    saved_model = copy.deepcopy(model.state_dict())
+    saved = _as_version_5(opt.state_dict())
+
+    resumed_model = _model()
+    resumed_model.load_state_dict(saved_model)
+    resumed = _opt(resumed_model, spec, k)
+    resumed.load_state_dict(saved)
+    assert (resumed.steps, resumed.progress, resumed.scale) == (opt.steps, opt.progress, opt.scale)
+    assert resumed.run_state.policy == opt.run_state.policy  # tau, the estimates, the counts
+    assert resumed.gain == opt.gain
+    for i in range(3, 5):
+        xs = XS[2 * i:2 * i + 2]
+        _step(model, opt, xs)
+        _step(resumed_model, resumed, xs)
+        assert resumed.lr_factor == opt.lr_factor and resumed.progress == opt.progress
+        assert torch.equal(resumed_model.weight, model.weight)
+    assert resumed.steps == 5
+
+
+@pytest.mark.timeout(120)
+def test_a_version_5_checkpoint_takes_its_adapted_k_and_refuses_another_policy():
+    model = _model()
+    opt = _opt(model, "adascale", 2, adapt="goodput", max_passes=4)
+    _step(model, opt, XS[:2])
+    saved = _as_version_5(opt.state_dict())
+    saved["passes"] = 4  # k had adapted to 4 before the save
+
+    resumed = _opt(_model(), "adascale", 2, adapt="goodput", max_passes=4)
+    resumed.load_state_dict(saved)
+    assert (resumed.run_state.passes, resumed.scale) == (4, 4.0)
+    assert resumed.progress == opt.progress
+
+    other = _opt(_model(), "linear", 2)
+    before = other.run_state
+    with pytest.raises(ValueError, match=r"'adascale'.*'linear'|'linear'.*'adascale'"):
+        other.load_state_dict(saved)
+    assert other.run_state == before  # nothing changed
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_state_before_the_wrap_names_the_fix():
+    """Horovod's scripts broadcast before wrapping the optimizer; moved as is, the call got the
+    plain torch optimizer and failed with "'SGD' object has no attribute '_hvd_opt'"."""
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_scale.adapters.torch import broadcast_state
+    hvd.init()
+    model = _model()
+    with pytest.raises(TypeError, match=r"takes the hvd_scale DistributedOptimizer, got SGD: "
+                                        r"call it after wrapping"):
+        broadcast_state(model, torch.optim.SGD(model.parameters(), lr=LR))
