@@ -224,7 +224,6 @@ class Scaling:
         (unmeasured: ``finite`` is the framework's verdict, ``count`` the micro-gradients it
         counted, None for workers x k). ``loss_scale``: the gradients were scaled by it."""
         workers = self.hvd.size()
-        self._timing = self.clock.lap(self.run.passes, workers)
         guard = self.guard
         inputs = runs.StepInputs(
             statistics=statistics if self.run.measure else None, finite=bool(finite),
@@ -234,8 +233,12 @@ class Scaling:
             max_lr=None if guard is None or math.isinf(guard.limit) else guard.limit)
         self.run, plan, info = runs.host_step(self.setup, self.run, inputs,
                                                self.framework.lr_names)
+        run = self.run
+        # The row of a short step holds its own S and passes (n / W), not the announced ones.
+        scale = run.scale if info is None else info.scale
+        self._timing = self.clock.lap(run.passes * scale / run.scale, workers)
         if info is not None and self.logger is not None:
-            self.logger.step(self.run.policy.steps, self.metrics)
+            self.logger.step(run.policy.steps, lambda: self.metrics(run, scale))
         return plan
 
     def skip(self) -> None:
@@ -315,13 +318,14 @@ class Scaling:
         return choice
 
     # -- what is read --------------------------------------------------------------------------------
-    def metrics(self, run: RunState | None = None) -> dict[str, float]:
+    def metrics(self, run: RunState | None = None, scale: float | None = None) -> dict[str, float]:
         """``hvd_scale.metrics.STEP_METRICS``: the policy's at the record ``run`` (default the
-        one held), the lr the latest step applied, and the guard's (nan and inf without one)."""
+        one held) and S = ``scale`` (default the run's; a short step's row: its own), the lr the
+        latest step applied, and the guard's (nan and inf without one)."""
         run = self.run if run is None else run
         guard = UNGUARDED_METRICS if self.guard is None else self.guard.metrics()
-        return {**self.policy.metrics(run.policy, run.scale), "lr": run.last_lr, **guard,
-                **self._timing}
+        return {**self.policy.metrics(run.policy, run.scale if scale is None else scale),
+                "lr": run.last_lr, **guard, **self._timing}
 
     # -- checkpoints and broadcasts: the whole record, validated before anything changes --------
     def state_dict(self) -> dict:

@@ -64,6 +64,7 @@ class StepInfo:
     progress_before: float  # tau at which to evaluate the baseline schedule: lr(floor(tau))
     progress: float       # tau after this step
     gain: float           # the measured gain r (1 where nothing was measured)
+    scale: float          # the S this step was taken at (a short step: its own)
 
 
 def _capped(factor: float, max_factor: float | None) -> float:
@@ -256,7 +257,7 @@ class Policy:
         progress = state.progress + self.advance(scale, gain)
         after = dataclasses.replace(measured, steps=state.steps + 1, progress=progress,
                                     lr_factor=factor)
-        return after, StepInfo(after.steps, factor, state.progress, progress, gain)
+        return after, StepInfo(after.steps, factor, state.progress, progress, gain, scale)
 
     def done(self, state: PolicyState, budget: float | None = None) -> bool:
         """True once tau has reached the budget T (baseline steps; default the policy's)."""

@@ -155,3 +155,30 @@ def test_item_6_a_keras_state_of_another_version_is_refused_naming_it():
     """)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REFUSED True True" in out.stdout and "SHAPE" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("spec", ["linear", "adascale"])
+def test_a_short_steps_metrics_row_holds_its_own_s_and_passes(spec, tmp_path):
+    """Issue #48 item 10: the row of a short step (an epoch's leftover batch) showed the announced
+    S and k, not the step's own. One process, k = 4 (S = 4): full, short (1 pass), short (3
+    passes), full; each row's S, passes, gain and lr factor are the step's."""
+    import csv
+
+    model = _torch_model()
+    opt = _torch_opt(model, spec, 4, log_dir=str(tmp_path), measure=True)
+    xs = [[1.0, 2.0, 3.0], [0.5, -1.0, 2.0], [-1.0, 0.3, 0.2], [2.0, 1.0, -0.5]]
+    factors = []
+    for passes in (4, 1, 3, 4):
+        _passes(model, opt, xs[:passes])
+        factors.append(opt.lr_factor)
+    opt.close()
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["scale"]) for r in rows] == [4.0, 1.0, 3.0, 4.0]
+    assert [float(r["passes"]) for r in rows] == [4.0, 1.0, 3.0, 4.0]
+    assert [float(r["lr_factor"]) for r in rows] == factors
+    for row in rows:
+        assert 1.0 <= float(row["gain"]) <= float(row["scale"])
+        assert float(row["efficiency"]) == pytest.approx(float(row["gain"]) / float(row["scale"]))
+    if spec == "linear":
+        assert factors == [4.0, 1.0, 3.0, 4.0]

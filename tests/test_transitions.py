@@ -12,8 +12,9 @@ harness (tests/workers/transitions_worker.py) runs the cells
 
 under ``horovodrun -np 2`` and as the one-process reference fed the same micro-batches
 (``--simulate 2``), and one process at W = 1 (``RUNS``: within CI's time, Keras on torch runs
-fit only, Keras's custom loop the changes whose code is its own, and the one-process cells and
-the resume at another world size are a subset where Keras's paths are the same), and asserts for every cell: no crash on a documented path; a
+fit only, Keras's custom loop the changes whose code is its own, Keras none for warmup too, and
+the one-process cells and the resume at another world size are a subset where Keras's paths are
+the same), and asserts for every cell: no crash on a documented path; a
 refused path refused on every rank, naming the cause, alike in the reference; every rank's
 weights and run record identical; each step's lr factor, tau, S, n = W x k and skip count equal
 to the reference's, and the weights too; and, independently of the code under test, tau's advance
@@ -42,15 +43,19 @@ FRAMEWORKS = {"torch": ("torch", None), "keras/tensorflow": ("keras", "tensorflo
               "keras/torch": ("keras", "torch")}
 # What each framework runs, within CI's time (a Keras cell costs ~2 s, its model traced anew):
 # the loops; the one-process (np 1) cells beside the reference (itself one process); whether the
-# resume at another world size runs (Keras's record travels the same on both backends).
-RUNS = {"torch": {"loops": "custom", "alone": None, "resume": True, "custom": None},
+# resume at another world size runs (Keras's record travels the same on both backends); the
+# policies (Keras's traced step takes every fixed rule's factor from the host alike: none stands
+# for warmup there, whose ramp is the engine's, tested with torch and in tests/test_policies.py).
+RUNS = {"torch": {"loops": "custom", "alone": None, "resume": True, "custom": None,
+                  "policies": "none,warmup,adascale,adascale_adam"},
         # The custom loop's own paths: eager apply calls, adapt_passes by hand, a checkpoint of
         # an adapted k, a non-finite step outside fit; the rest are fit's code.
         "keras/tensorflow": {"loops": "fit,custom", "alone": "steady,set_passes,adapt",
                              "resume": True,
-                             "custom": "steady,adapt,adapt_checkpoint,nonfinite"},
+                             "custom": "steady,adapt,adapt_checkpoint,nonfinite",
+                             "policies": "none,adascale,adascale_adam"},
         "keras/torch": {"loops": "fit", "alone": "steady,set_passes,adapt", "resume": False,
-                        "custom": None}}
+                        "custom": None, "policies": "none,adascale,adascale_adam"}}
 POLICIES = ("none", "warmup", "adascale", "adascale_adam")
 CHANGES = ("steady", "adapt", "set_passes", "checkpoint", "adapt_checkpoint", "short", "join",
            "nonfinite", "resume")
@@ -88,6 +93,7 @@ def matrix(request, tmp_path_factory):
     runs = RUNS[request.param]
     tmp = tmp_path_factory.mktemp("transitions")
     base = [sys.executable, str(WORKER), "--framework", framework, "--loops", runs["loops"],
+            "--policies", runs["policies"],
             *(["--custom-cells", runs["custom"]] if runs["custom"] else [])]
     both = _by_cell(worker_results(run_horovod(base, np=2, timeout=900, env=_env(backend))))
     alone = _by_cell(_one_process(framework, backend, *base[4:],
@@ -140,9 +146,11 @@ def _same_rows(rows, expected):
 def test_every_change_of_k_or_s_in_every_framework(matrix):
     name, both, alone, reference, resumed = matrix
     runs, framework = RUNS[name], FRAMEWORKS[name][0]
+    assert set(runs["policies"].split(",")) <= set(POLICIES)
     expected = {(framework, loop, change, policy, measured)
                 for loop, change, policy, measured in
-                itertools.product(runs["loops"].split(","), CHANGES, POLICIES, (True, False))
+                itertools.product(runs["loops"].split(","), CHANGES, runs["policies"].split(","),
+                                  (True, False))
                 if loop != "custom" or not runs["custom"] or change in runs["custom"].split(",")}
     assert set(both) == expected and set(reference) == expected
     assert set(alone) == {cell for cell in expected
