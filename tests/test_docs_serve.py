@@ -68,7 +68,9 @@ def test_docs_serve_serves_the_pages_and_the_search_index():
         assert {"elastic.html", "getting-started.html"} <= {d["location"] for d in index["docs"]}
         assert _get(base + "elastic.html")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        # SIGINT, as Ctrl-C: mkdocs serve removes its temporary site and the API source tree
+        # (docs/hooks.py, at exit); SIGTERM would leave both in /tmp.
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

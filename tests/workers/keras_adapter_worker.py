@@ -9,10 +9,12 @@ The model.fit cases (fit, fit_accumulate, checkpoint) run on either Keras backen
 """
 
 import argparse
+import atexit
 import csv
 import dataclasses
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -28,6 +30,14 @@ from hvd_scale import GainEstimator
 from hvd_scale.metrics import TIMING_METRICS
 from hvd_scale.adapters.keras import (BroadcastInitialState, CommitState, DistributedOptimizer,
                                       ElasticState, ScalingMetrics, broadcast_state, hvd)
+
+
+def temp_dir() -> str:
+    """A metrics directory of this process, removed when it exits (every rank makes one)."""
+    path = tempfile.mkdtemp(prefix="hvd_scale_keras_worker_")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
 
 TF = keras.backend.backend() == "tensorflow"
 if TF:
@@ -316,7 +326,7 @@ def case_fit():
     """model.fit: replicas start apart, get broadcast, train in sync, stop at the budget."""
     x, y = dataset(hvd.rank(), 160)  # 10 batches of 16 per epoch
     model = make_model(seed=100 + hvd.rank())  # different on purpose: the broadcast must fix it
-    log_dir = tempfile.mkdtemp()
+    log_dir = temp_dir()
     opt = DistributedOptimizer(keras.optimizers.SGD(0.2, momentum=0.9), policy="adascale",
                                log_dir=log_dir)
     model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
@@ -376,7 +386,7 @@ def case_fit_accumulate():
     """model.fit with backward_passes_per_step=2: S = workers x 2."""
     x, y = dataset(hvd.rank(), 160)
     model = make_model()
-    log_dir = tempfile.mkdtemp()
+    log_dir = temp_dir()
     opt = DistributedOptimizer(keras.optimizers.SGD(0.2), policy="adascale", backward_passes_per_step=2,
                                log_dir=log_dir)
     model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
@@ -439,7 +449,7 @@ def case_timings():
         x, y = dataset(hvd.rank(), 16 * 24)
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((8,)), SlowPass(), keras.layers.Dense(3)])
-        log_dir = tempfile.mkdtemp()
+        log_dir = temp_dir()
         opt = DistributedOptimizer(slow_sgd(0.05), policy="adascale", backward_passes_per_step=k,
                                    log_dir=log_dir)
         model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
@@ -463,7 +473,7 @@ def features_fit(*, spe=1, policy_name=None, wrap_loss_scale=False, callbacks=Tr
         inner = keras.optimizers.SGD(0.1, momentum=0.9)
         if wrap_loss_scale:
             inner = keras.optimizers.LossScaleOptimizer(inner)
-        log_dir = tempfile.mkdtemp()
+        log_dir = temp_dir()
         opt = DistributedOptimizer(inner, policy="adascale", log_dir=log_dir)
         model.compile(optimizer=opt, loss=LOSS, jit_compile=False, steps_per_execution=spe,
                       **({"auto_scale_loss": False} if wrap_loss_scale else {}))
