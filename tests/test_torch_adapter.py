@@ -137,7 +137,7 @@ def test_unused_parameter(results):
 @pytest.mark.timeout(300)
 def test_statistics_over_many_tensors_sent_in_buckets(results):
     """Without accumulation the norms are taken a bucket at a time as Horovod sends the
-    gradients (adapters/torch/statistics.py BUCKET_TENSORS, BUCKET_ELEMENTS): several buckets, one full
+    gradients (adapters/torch/horovod.py BUCKET_TENSORS, BUCKET_ELEMENTS): several buckets, one full
     by its size, and an unused layer whose bucket only goes out at synchronize()."""
     r0, r1 = both_ranks(results, "many_tensors")
     assert r0["tensors"] == 50 and r0["rows"] == r1["rows"]  # 48 used, 2 in the unused layer

@@ -1,7 +1,8 @@
-"""PyTorch adapter: ``hvd.DistributedOptimizer`` plus a learning-rate policy, in one line.
+"""PyTorch adapter: a torch optimizer plus a learning-rate policy, in one line, under Horovod or
+torch.distributed (DDP).
 
     import horovod.torch as hvd
-    from hvd_scale.adapters.torch import DistributedOptimizer
+    from hvd_scale.adapters.torch import DistributedOptimizer           # Horovod
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = DistributedOptimizer(opt, named_parameters=model.named_parameters())  # policy: --policy
@@ -10,20 +11,36 @@
         loss_fn(model(x), y).backward()
         opt.step()
 
-Modules: ``optimizer.py`` (the hooks of ``adapters/protocol.py`` in torch: where torch plugs in;
-its statistics in ``statistics.py``, their norms in ``norms.py``, its checkpoints and broadcasts
-in ``checkpoint.py``),
-``scheduler.py`` (torch lr schedulers in baseline steps), ``hessian.py`` (the lr guard's power
-iteration), ``process_set.py`` (the shared half's collectives within a process set),
-``elastic.py`` (Horovod elastic's state handler, registered on import).
+    from hvd_scale.adapters.torch.ddp import DistributedOptimizer       # torchrun, DDP
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+Modules: ``optimizer.py`` (the hooks of ``adapters/protocol.py`` in torch, whichever engine:
+where torch plugs in; its statistics in ``statistics.py``, their norms in ``norms.py``, its
+checkpoints in ``checkpoint.py``); the engines: ``horovod.py`` (``hvd.DistributedOptimizer``
+wrapped; ``process_set.py``: the shared half's collectives in a process set; ``elastic.py``:
+Horovod elastic's state handler, registered on import) and ``ddp.py`` (DDP's communication hook;
+no Horovod needed); ``scheduler.py`` (torch lr schedulers in baseline steps), ``hessian.py``
+(the lr guard's power iteration).
+
+Horovod's names are imported when first used, so that ``hvd_scale.adapters.torch.ddp`` works
+where Horovod is not installed.
 """
 
-from . import elastic  # noqa: F401  registers the elastic state handler
 from .hessian import hessian_top_eigenvalue
-from .checkpoint import broadcast_state
 from .norms import norms
-from .optimizer import DistributedOptimizer
 from .scheduler import ScaleInvariantScheduler
+
+_HOROVOD = {"DistributedOptimizer", "broadcast_state"}
 
 __all__ = ["DistributedOptimizer", "ScaleInvariantScheduler", "broadcast_state", "hessian_top_eigenvalue",
            "norms"]
+
+
+def __getattr__(name):
+    if name in _HOROVOD:
+        from . import elastic  # noqa: F401  registers Horovod elastic's state handler
+        from . import horovod
+
+        return getattr(horovod, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters.adapt import check_passes
@@ -21,7 +20,7 @@ class Checkpoints:
         """``{"inner": the wrapped optimizer's state_dict, "hvd_scale": the run's record}``
         (``hvd_scale.run``: the policy's state, S, k, the workers, ...), and ``"guard"``: the
         guard's latest estimate, with a guard."""
-        state = {"inner": self._hvd_opt.state_dict(), "hvd_scale": self.scaling.state_dict()}
+        state = {"inner": self._inner.state_dict(), "hvd_scale": self.scaling.state_dict()}
         if self.scaling.guard is not None:
             state["guard"] = self.scaling.guard.state_dict()
         return state
@@ -54,14 +53,12 @@ class Checkpoints:
         if guard is not None and state_dict.get("guard") is not None:
             restored = SharpnessGuard()
             restored.load_state_dict(state_dict["guard"])  # validated before anything changes
-        self._hvd_opt.load_state_dict(state_dict["inner"])
+        self._inner.load_state_dict(state_dict["inner"])
         # torch's load_state_dict builds new group dicts and a new state: share them again.
-        self.param_groups, self.state = self._hvd_opt.param_groups, self._hvd_opt.state
+        self.param_groups, self.state = self._inner.param_groups, self._inner.state
         if guard is not None and state_dict.get("guard") is not None:
             guard.load_state_dict(state_dict["guard"])
-        handle = self._step.stats_handle
-        if handle is not None and not torch.is_tensor(handle):  # in flight: finish, then drop
-            hvd.synchronize(handle)
+        self._drop(self._step.stats_handle)  # a statistics allreduce in flight: finish, then drop
         self._step = self._new_step()
         self.scaling.run = run
         self._follow_passes()  # the saved k, where k adapts
@@ -95,21 +92,9 @@ class Checkpoints:
 
     def sync_run(self, root_rank: int = 0) -> None:
         """Take ``root_rank``'s run record (``broadcast_state``, an elastic sync), k included."""
-        if self._step.fired_total or any(self._step.fired) or self._hvd_opt._handles:
+        if self._step.fired_total or any(self._step.fired) or self._in_step():
             raise RuntimeError("broadcast_state() between backward passes of a step: call it "
                                "before the first backward pass or after step()")
         self.scaling.broadcast(root_rank)
         self._follow_passes()
 
-
-def broadcast_state(model: torch.nn.Module, optimizer, root_rank: int = 0) -> None:
-    """Broadcast the model, the optimizer state and the run's record (the policy's state and
-    k under adapt="goodput") from root_rank."""
-    if not isinstance(optimizer, Checkpoints):
-        raise TypeError(f"broadcast_state(model, optimizer) takes the hvd_scale "
-                        f"DistributedOptimizer, got {type(optimizer).__name__}: call it after "
-                        "wrapping the optimizer (Horovod's scripts broadcast before wrapping; "
-                        "with hvd_scale the optimizer's run record is broadcast too)")
-    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
-    hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
-    optimizer.sync_run(root_rank)

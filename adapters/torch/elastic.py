@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import horovod.torch as hvd
 
-from .optimizer import DistributedOptimizer
+from .horovod import DistributedOptimizer
 
 
 def _elastic_handler():

@@ -1,31 +1,18 @@
-"""The torch optimizer: the hooks of ``adapters/protocol.py`` in torch, and nothing more (the
-math is in the engine, the sequence of a step and everything that is not a tensor operation in
-``adapters/core.py``). This file holds the optimizer, its Horovod protocol and the protocol's
-hooks; the statistics it gathers are in ``statistics.py`` (their norms in ``norms.py``), its
-checkpoints and broadcasts in ``checkpoint.py``:
+"""Horovod's engine for the torch optimizer (``optimizer.py``: the protocol's hooks, shared with
+``ddp.py``): ``hvd.DistributedOptimizer`` wrapped, its hooks and buckets.
 
-* local statistics: the norm of each backward pass's own gradient (no ``.item()`` per parameter,
-  no gradient-sized copy), taken before Horovod's in-place allreduce. With one pass per step,
-  Horovod's own hook hands each gradient over and it is sent with its bucket right after one
-  fused norm kernel over the bucket; with accumulation, a tensor hook on every parameter sees
-  each pass's gradient before it is added into p.grad;
-* the per-group sums of squared norms and the micro-batch count (the engine's layout) go out in
-  one small asynchronous allreduce started just before Horovod waits on the gradients, so it is
-  fused with the gradient traffic instead of adding a blocking collective;
-* ``p.grad`` becomes the mean of the step's micro-gradients (in place, on the device), and
-  |g_bar|^2 per group is taken from it; the only host transfer of the step brings these 2G + 1
-  numbers back (``reduced_statistics``);
-* the plan's lr (and Adam's settings) are set on each group for the inner step, then the user's
-  values are restored, so torch lr schedulers keep working on the baseline lr (``apply_step``).
-
-One gain for the whole model (the paper's choice): the engine sums sigma2 and mu2 over groups.
+* With one pass per step, Horovod's own hook hands each gradient over and it is sent with its
+  bucket right after one fused norm kernel over the bucket (no hook of ours per tensor); with
+  accumulation, a tensor hook on every parameter sees each pass's gradient before it is added
+  into p.grad (``statistics.py``);
+* the statistics go out in one small asynchronous allreduce started just before Horovod waits
+  on the gradients, reduced exactly as they are (op, factors, dtype), so Horovod fuses it with
+  the gradient traffic instead of adding a blocking collective.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 from typing import Any
 
 import horovod.torch as hvd
@@ -33,17 +20,21 @@ import torch
 
 from hvd_scale.adapters import environment
 from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, check_passes
-from hvd_scale.adapters.core import USER_SETTINGS, Framework, Readout, Request, Scaling, run_step
-from hvd_scale.guard import ADAM_OPTIMIZERS, SharpnessGuard
+from hvd_scale.adapters.core import Framework, Request, Scaling
+from hvd_scale.guard import SharpnessGuard
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
 
-from .checkpoint import Checkpoints
-from .hessian import hessian_top_eigenvalue
+from .optimizer import TorchOptimizer
 from .process_set import ProcessSetBinding
-from .statistics import Statistics, _StepState
 
 SHARPNESS_NAME = "hvd_scale.sharpness"
+# Without accumulation the norms are taken in buckets of gradients as Horovod sends them: a
+# bucket goes out at this many tensors or elements (a bounded delay of the first allreduces).
+# Each bucket costs a dozen torch ops whatever its size, so the tensor bound is loose (it was 16:
+# many small tensors paid for it, benchmarks/README B2) and the elements bound splits large models.
+BUCKET_TENSORS = 128
+BUCKET_ELEMENTS = 1 << 18
 
 
 def _check_op(op) -> None:
@@ -60,23 +51,7 @@ def _check_op(op) -> None:
                          f"{why}; use op=hvd.Average (or hvd.Sum)")
 
 
-def _number(value) -> float:
-    """A group's setting as a float for the host (nan where it is none: ``check_lrs`` names it)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """One ``step()``'s own inputs, handed from hook to hook (``core.run_step``)."""
-
-    closure: Any = None
-    guard_loss: Any = None  # the lr guard's loss function (``step(guard_loss=...)``)
-
-
-class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
+class DistributedOptimizer(TorchOptimizer):
     """Wrap any torch optimizer: Horovod gradient averaging plus an lr scaling policy.
 
     Args:
@@ -117,6 +92,10 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
             op=hvd.Adasum is refused (``_check_op``).
     """
 
+    # With accumulation, the statistics go out from the tensor hook of the step's last gradient,
+    # before Horovod's hook enqueues that gradient (``statistics._make_norm_hook``).
+    _sends_at_last_gradient = True
+
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                  policy: str | Policy | None = None, backward_passes_per_step: int = 1, *,
                  scale: float | None = None, budget: float | None = None,
@@ -148,8 +127,9 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
             guard=guard)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
-        self._measure = self.scaling.measure  # fixed for the optimizer's life (its hooks)
+        self.engine = "horovod"
         self._op = op
+        self._averaged = op == hvd.Average  # else op=hvd.Sum: the sum over workers
         # Horovod's factors for the gradients (hvd.DistributedOptimizer's): the statistics match.
         predivide = horovod_options.get("gradient_predivide_factor", 1.0)
         self._factors = (1.0 / predivide, predivide) if op == hvd.Average else (1.0, 1.0)
@@ -158,23 +138,8 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         self._hvd_opt = hvd.DistributedOptimizer(
             optimizer, named_parameters=named_parameters,
             backward_passes_per_step=backward_passes_per_step, **horovod_options)
-        # Become a real torch Optimizer over the same groups (lr schedulers check isinstance and
-        # read/write group["lr"]), then share the Horovod optimizer's groups and state outright.
-        super().__init__(self._hvd_opt.param_groups, self._hvd_opt.defaults)
-        self.param_groups = self._hvd_opt.param_groups
-        self.state = self._hvd_opt.state
-
-        float64 = any(p.dtype == torch.float64 for p in self._params())
-        self._stats_dtype = torch.float64 if float64 else torch.float32  # on the wire
+        self._share_groups(self._hvd_opt)
         self._skip_sync = False
-        # Parameters Horovod and the hooks know: a later unfreezing is refused at the next step.
-        self._frozen = [p for p in self._params() if not p.requires_grad]
-        self._hooks = []
-        trained = [(gi, p) for gi, group in enumerate(self.param_groups)
-                   for p in group["params"] if p.requires_grad]
-        self._trained = len(trained)
-        self._all_gradients = len(trained) * backward_passes_per_step  # a full step's
-        self._hooks_paused = False  # the guard's Hessian-vector products are not passes
         # One pass per step: p.grad is that pass's gradient when Horovod's own hook sends it, so
         # the norms are taken right there, a bucket at a time (one fused kernel per bucket, and
         # no hook of ours per tensor). With accumulation (or Horovod's groups=) each pass's
@@ -189,37 +154,19 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         # One process that is not elastic: Horovod allreduces no gradient, and the statistics
         # are their own sum (through Horovod they would wait a cycle of its thread every step).
         self._alone = hvd.size() == 1 and not self._hvd_opt._requires_update
-        self._group_of = {p: gi for gi, p in trained}
         self._send = self._hvd_opt._allreduce_grad_async
+        kind = None
         if self._bucketed:
             self._hvd_opt._allreduce_grad_async = self._send_in_buckets  # Horovod's hook calls it
         elif self._measure:
-            for index, (gi, p) in enumerate(trained):
-                self._hooks.append(p.register_hook(self._make_norm_hook(gi, p, index)))
+            kind = "norms"
         elif self._hvd_opt._requires_update:
             # Unmeasured, the micro-gradients are still counted (a short step's S and mean): from
             # Horovod's own counters, the count sent with the step's last gradient.
             self._hvd_opt._allreduce_grad_async = self._send_counting
         elif not self._alone or adapt is not None or backward_passes_per_step > 1:
-            # One process, no Horovod hooks: a hook per parameter counts the passes.
-            for index, (gi, p) in enumerate(trained):
-                self._hooks.append(p.register_hook(self._make_count_hook(index)))
-        self._hooked = len(self._hooks)
-        self._step = self._new_step()
-
-    def _new_step(self) -> _StepState:
-        return _StepState(norms=[[] for _ in self.param_groups], fired=[0] * self._hooked)
-
-    def _params(self):
-        return (p for group in self.param_groups for p in group["params"])
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params() if p.grad is not None]
-
-    @property
-    def _device(self) -> torch.device:
-        """Where the statistics are made: the gradients' device."""
-        return next(self._params()).device
+            kind = "count"  # one process, no Horovod hooks: a hook per parameter counts the passes
+        self._hook_parameters(kind)
 
     # -- the Horovod protocol -------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -245,32 +192,9 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
             self._hvd_opt.synchronize()
         finally:
             self._sending_rest = False
-        if handle is None:
-            self._to_mean_gradient(None)
-        elif counting:
-            count = self._sum_of(handle).round()  # exact again after the average's rounding
-            step.counted()
-            self._to_mean_gradient(count[0])
-            step.count = int(count.item())
-        else:
-            summed = self._summed(handle)
-            self._to_mean_gradient(summed[len(self.param_groups)])
-            # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
-            step.pending = torch.cat([summed, self.mean_sqnorms()])
+        self._finish_statistics(handle, counting)
         step.synchronized = True
         self.scaling.clock.waited()
-
-    def _check_no_parameter_unfrozen(self) -> None:
-        """A parameter made trainable after the optimizer was built has neither Horovod's
-        allreduce nor a norm hook: its workers would drift apart and the statistics miss it."""
-        unfrozen = [p for p in self._frozen if p.requires_grad]
-        if unfrozen:
-            shapes = [tuple(p.shape) for p in unfrozen]
-            raise ValueError(f"hvd_scale: {len(unfrozen)} parameter(s) of shape(s) {shapes} were "
-                             "made trainable after DistributedOptimizer was built; Horovod would "
-                             "not average their gradients and the statistics would miss them. "
-                             "Build the optimizer again (DistributedOptimizer(...)) after changing "
-                             "requires_grad, then load its state_dict")
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -281,46 +205,30 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         finally:
             self._skip_sync = False
 
-    # -- torch.optim.Optimizer ------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None, *, guard_loss=None):
-        """Synchronize, let the policy plan the step, and apply it (``core.run_step``).
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.
+        if self._hvd_opt._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize()")
+        torch.optim.Optimizer.zero_grad(self._hvd_opt, set_to_none=set_to_none)
 
-        A step whose gradients are not finite is skipped on every rank: weights, optimizer state,
-        statistics and progress stay as they were (``opt.skipped`` counts it). A group's lr
-        that has become negative or not finite raises ValueError naming the group, with nothing
-        applied or counted (``Scaling.check_lrs``).
-        ``guard_loss``: with a ``guard``, a function returning this worker's loss on its current
-        batch (a fresh forward pass; no backward), called on the guard's steps only.
-        """
-        result = run_step(self, _Step(closure, guard_loss))
-        self.scaling.clock.ended()
-        self.set_passes(self.scaling.adapted_passes())
-        return result
+    # -- what TorchOptimizer asks of an engine -------------------------------------------------------
+    def _gather(self):
+        gathered = self._step
+        if not (gathered.synchronized or self._skip_sync):
+            self.synchronize()
+        gathered.synchronized = False
+        return gathered
 
-    def set_passes(self, passes: int) -> None:
-        """Take k backward passes per step from the next step on; call it on every rank at the
-        same step, between steps (adapt="goodput" does). S follows in proportion (the policy's
-        factor and tau's advance are the new S's), and so do Horovod's accumulation counters."""
-        k = check_passes(passes)
-        if k == self.backward_passes_per_step:
-            return
-        if self._step.fired_total or any(self._step.fired) or self._hvd_opt._handles:
-            raise RuntimeError("set_passes() between backward passes of a step: call it after "
-                               "step() and before the next step's first backward pass")
-        if k > 1 and self._bucketed:
-            raise ValueError(f"set_passes({k}): this optimizer was built for one pass per step "
-                             "with its norms taken in Horovod's buckets; build it with "
-                             "backward_passes_per_step > 1 or adapt='goodput' to change k")
-        self.scaling.set_passes(k)  # the run's record at the new k: refused there, if it cannot
-        if not (self._measure or self._hooked or self._hvd_opt._requires_update):
-            # One process, unmeasured, built at k = 1: from now on a short step can happen, and
-            # its passes are counted.
-            trained = [p for p in self._params() if p.requires_grad]
-            self._hooks = [p.register_hook(self._make_count_hook(i)) for i, p in enumerate(trained)]
-            self._hooked = len(self._hooks)
-            self._step = self._new_step()
-        self._follow_passes()
+    def _inner_step(self, closure):
+        with self._hvd_opt.skip_synchronize():
+            return self._hvd_opt.step(closure)
+
+    def _in_step(self) -> bool:
+        return bool(self._hvd_opt._handles)
+
+    def _counted_by_engine(self) -> bool:
+        return bool(self._hvd_opt._requires_update)
 
     def _follow_passes(self) -> None:
         """Horovod's accumulation and this optimizer's counts follow the record's k."""
@@ -329,111 +237,96 @@ class DistributedOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimiz
         self.backward_passes_per_step = k
         self._all_gradients = self._trained * k
 
-    # -- the hooks of adapters/protocol.py ---------------------------------------------------------
-    def reduced_statistics(self, step: _Step):
-        """(step, statistics, finite, count): this step's [s..., c, q...] (a device tensor)
-        after the gradients' allreduce, or None unmeasured, with the averaged gradient's
-        finiteness then (True under a GradScaler, which checks it itself) and the
-        micro-gradients counted. The guard's sharpness is measured here when due."""
-        gathered = self._step
-        if not (gathered.synchronized or self._skip_sync):
-            self.synchronize()
-        gathered.synchronized = False
-        # Taken: a step that raises drops them.
-        statistics, gathered.pending = gathered.pending, None
-        count, gathered.count = gathered.count, None
-        self.scaling.agree_on_state()  # once: a checkpoint loaded on some ranks only
-        if self.scaling.guard_due():
-            self._measure_sharpness(step.guard_loss)
-        if statistics is not None:
-            return step, statistics, True, None
-        return step, None, self._grad_scaler is not None or self._grads_finite(), count
+    def _allreduce_async(self, tensor: torch.Tensor, name: str):
+        """Reduced exactly as the gradients are (their op, pre/postscale factors and dtype):
+        Horovod fuses only tensors that agree on these, so the statistics join the gradients'
+        allreduce instead of being a collective of their own. One process: the tensor is its
+        own sum (Horovod's factors multiply to 1)."""
+        if self._alone:
+            return tensor
+        return hvd.allreduce_async_(tensor, op=self._op, name=name,
+                                    prescale_factor=self._factors[0],
+                                    postscale_factor=self._factors[1],
+                                    process_set=self._process_set)
 
-    def user_settings(self) -> list[list[float]]:
-        """Each group's ``core.USER_SETTINGS``: torch corrects Adam's bias with each parameter's
-        own step count, the group's first here; the decay is AdamW's decoupled one only."""
-        rows = []
-        for group in self.param_groups:
-            # Only Adam's kind has betas and a step to correct by (no scan of SGD's parameters).
-            state = next((self.state[p] for p in group["params"] if "step" in self.state.get(p, ())),
-                         None) if "betas" in group else None
-            betas = group.get("betas", (math.nan, math.nan))
-            decoupled = group.get("decoupled_weight_decay", False) and "weight_decay" in group
-            rows.append([_number(group["lr"]), _number(betas[0]), _number(betas[1]),
-                         _number(group.get("eps", math.nan)),
-                         _number(group["weight_decay"]) if decoupled else math.nan,
-                         1.0 if state is None else float(state["step"]) + 1.0])
-        assert len(rows[0]) == len(USER_SETTINGS)
-        return rows
+    def _wait_sum(self, handle) -> torch.Tensor:
+        """The sum over workers, float64 (op=Average: the result times the world size)."""
+        reduced = (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).double()
+        if self._averaged:
+            reduced.mul_(self.scaling.hvd.size())
+        return reduced
 
-    def loss_scale(self) -> float | None:
-        scaler = self._grad_scaler
-        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+    def _drop(self, handle) -> None:
+        if handle is not None and not torch.is_tensor(handle):  # in flight: finish, then drop
+            hvd.synchronize(handle)
 
-    def on_host(self, fn, *args):
-        """Eager: the statistics come to the host here, the step's one transfer."""
-        return fn(*(a.tolist() if torch.is_tensor(a) else a for a in args))
+    def _average(self, tensor: torch.Tensor) -> torch.Tensor:
+        return hvd.allreduce(tensor, op=hvd.Average, name=SHARPNESS_NAME,
+                             process_set=self._process_set)
 
-    def apply_step(self, plan, step: _Step):
-        """The inner step with each group's lr (and, for adascale_adam, betas, eps and decoupled
-        decay: ``hvd_scale.moments``) from ``plan``; the user's values are put back after, so
-        torch lr schedulers keep working on the baseline lr. A factor of 0: nothing applied."""
-        plan = [[float(v) for v in row] for row in plan]
-        if plan[0][0] == 0.0:
-            return None
-        keys = ("lr", "betas", "eps", "weight_decay")
-        saved = [{k: group[k] for k in keys if k in group} for group in self.param_groups]
-        try:
-            for group, (_, lr, beta1, beta2, eps, decay) in zip(self.param_groups, plan):
-                group["lr"] = lr
-                if not math.isnan(beta1):
-                    group.update(betas=(beta1, beta2), eps=eps)
-                if not math.isnan(decay):
-                    group["weight_decay"] = decay
-            with self._hvd_opt.skip_synchronize():
-                return self._hvd_opt.step(step.closure)
-        finally:
-            for group, user in zip(self.param_groups, saved):
-                group.update(user)
+    # -- Horovod's hook: counting, and the norms in its buckets ----------------------------------
+    def _send_counting(self, p: torch.Tensor):
+        """Unmeasured, with Horovod's hooks: hand p's gradient to Horovod; before the step's
+        last one, the micro-gradient count goes out (so it joins their allreduce)."""
+        step = self._step
+        if not self._sending_rest:
+            step.sent += 1
+            if step.sent == self._trained and step.stats_handle is None:
+                step.stats_handle = self._start_count(self.backward_passes_per_step)
+        return self._send(p)
 
-    def _measure_sharpness(self, guard_loss) -> None:
-        """The guard's estimate: this worker's top Hessian eigenvalue, averaged over workers."""
-        guard, step = self.scaling.guard, self.scaling.run.policy.steps
-        if not callable(guard_loss):
-            raise ValueError(f"hvd_scale: the lr guard measures the sharpness before step "
-                             f"{step + 1}: call opt.step(guard_loss=fn) with fn() returning this "
-                             f"worker's loss on its current batch, got guard_loss={guard_loss!r}")
-        group = self.param_groups[0]
-        params = [p for p in self._params() if p.requires_grad]
-        if self.optimizer_name in ADAM_OPTIMIZERS:
-            # Adam's stability is about P^-1 H, P = diag(sqrt(v_hat) + eps): before its first
-            # step there is no v_hat, and the next step measures instead (alike on every rank).
-            if not all("exp_avg_sq" in self.state.get(p, {}) for p in params):
-                return
-            scaling = [self._precondition(p, torch.ones_like(p), group).sqrt_() for p in params]
-            limits = {"beta1": group["betas"][0]}
-        else:
-            scaling = None
-            limits = {"momentum": group.get("momentum", 0.0), "dampening": group.get("dampening", 0.0),
-                      "nesterov": bool(group.get("nesterov", False))}
-        self._hooks_paused = True
-        try:
-            with torch.enable_grad():
-                local = hessian_top_eigenvalue(guard_loss, params, iterations=guard.iterations,
-                                               tol=guard.tol, scaling=scaling, seed=step)
-        finally:
-            self._hooks_paused = False
-        mean = hvd.allreduce(torch.tensor(local, dtype=torch.float64), op=hvd.Average,
-                             name=SHARPNESS_NAME, process_set=self._process_set).item()
-        if math.isfinite(mean):  # else this step's gradients overflow too: it will be skipped,
-            guard.update(mean, step, optimizer=self.optimizer_name, **limits)  # and measured again
+    def _local_passes(self) -> int:
+        """Unmeasured: the passes this worker took this step (Horovod's counters or the count
+        hooks: the largest count over parameters; a short step takes fewer than k)."""
+        if self._hooked:
+            return max(self._step.fired, default=0)
+        k, delay = self.backward_passes_per_step, self._hvd_opt._allreduce_delay
+        if k == 1:
+            return 1 if self._step.sent or any(p.grad is not None for p in self._params()) else 0
+        return max((k - delay[p] for p in self._hvd_opt._requires_update), default=0)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.
-        if self._hvd_opt._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize()")
-        torch.optim.Optimizer.zero_grad(self._hvd_opt, set_to_none=set_to_none)
+    def _send_in_buckets(self, p: torch.Tensor):
+        """Horovod's hook hands over each gradient of the step (k = 1) to be sent; it goes out
+        with its bucket, after the bucket's norms. Returns what Horovod's hook records for p."""
+        if self._sending_rest:
+            return self._send(p)  # no gradient this step: Horovod sends zeros, nothing to measure
+        step = self._step
+        step.bucket.append(p)
+        step.bucket_elements += p.grad.numel()
+        step.fired_total += 1
+        if (step.fired_total == self._all_gradients or len(step.bucket) >= BUCKET_TENSORS
+                or step.bucket_elements >= BUCKET_ELEMENTS):
+            return self._flush_bucket(current=p)
+        return None, None  # a placeholder until its bucket is sent (below)
 
-    def __repr__(self) -> str:
-        return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.policy.spec!r})"
+    def _flush_bucket(self, current: torch.Tensor | None = None):
+        """Take the bucket's norms, then send its gradients (the statistics first when this is
+        the step's last gradient). Returns ``current``'s (handle, ctx) for Horovod's hook."""
+        step = self._step
+        bucket, step.bucket, step.bucket_elements = step.bucket, [], 0
+        if not bucket:
+            return None, None
+        self._take_norms(bucket)
+        if step.fired_total == self._all_gradients and step.stats_handle is None:
+            step.stats_handle = self.start_statistics()
+        handles, result = self._hvd_opt._handles, (None, None)
+        for p in bucket:
+            sent = self._send(p)
+            if p is current:
+                result = sent
+            else:
+                handles[p] = sent
+        return result
+
+
+def broadcast_state(model: torch.nn.Module, optimizer, root_rank: int = 0) -> None:
+    """Broadcast the model, the optimizer state and the run's record (the policy's state and
+    k under adapt="goodput") from root_rank."""
+    if not isinstance(optimizer, DistributedOptimizer):
+        raise TypeError(f"broadcast_state(model, optimizer) takes the hvd_scale "
+                        f"DistributedOptimizer, got {type(optimizer).__name__}: call it after "
+                        "wrapping the optimizer (Horovod's scripts broadcast before wrapping; "
+                        "with hvd_scale the optimizer's run record is broadcast too)")
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+    hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
+    optimizer.sync_run(root_rank)

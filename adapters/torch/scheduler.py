@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .optimizer import DistributedOptimizer
+from .optimizer import TorchOptimizer
 
 
 class ScaleInvariantScheduler:
@@ -19,9 +19,9 @@ class ScaleInvariantScheduler:
     written for S = 1 runs unchanged at any scale and with any policy.
     """
 
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: DistributedOptimizer):
-        if not isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("optimizer must be hvd_scale's DistributedOptimizer")
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: TorchOptimizer):
+        if not isinstance(optimizer, TorchOptimizer):
+            raise TypeError("optimizer must be hvd_scale's DistributedOptimizer (Horovod's or DDP's)")
         self.scheduler, self.optimizer = scheduler, optimizer
         self._base_epoch = scheduler.last_epoch  # 0 after construction
 

@@ -1,8 +1,9 @@
-"""Where the torch optimizer gathers a step's statistics: the norm of each backward pass's own
-gradient (in Horovod's buckets at k = 1, by a tensor hook per parameter with accumulation), the
-micro-gradient count (also unmeasured: a short step's S and mean), their one allreduce beside the
-gradients', and the mean micro-gradient in p.grad. A mixin of ``DistributedOptimizer``
-(``optimizer.py``), whose record of the step in progress is ``_StepState``.
+"""Where the torch optimizer gathers a step's statistics, whichever engine averages the
+gradients: the norm of each backward pass's own gradient (in the engine's buckets at k = 1, by a
+tensor hook per parameter with accumulation), the micro-gradient count (also unmeasured: a
+short step's S and mean), their one allreduce beside the gradients' (``_allreduce_async``, the
+engine's), and the mean micro-gradient in p.grad. A mixin of ``optimizer.TorchOptimizer``,
+whose record of the step in progress is ``_StepState``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters.core import precondition
@@ -19,12 +19,6 @@ from hvd_scale.reduce import wire_copies, wire_sums
 from .norms import _vector, all_finite, cpu_norm, norms
 
 STATS_NAME = "hvd_scale.stats"
-# Without accumulation the norms are taken in buckets of gradients as Horovod sends them: a
-# bucket goes out at this many tensors or elements (a bounded delay of the first allreduces).
-# Each bucket costs a dozen torch ops whatever its size, so the tensor bound is loose (it was 16:
-# many small tensors paid for it, benchmarks/README B2) and the elements bound splits large models.
-BUCKET_TENSORS = 128
-BUCKET_ELEMENTS = 1 << 18
 
 
 @dataclasses.dataclass
@@ -39,6 +33,7 @@ class _StepState:
     bucket: list = dataclasses.field(default_factory=list)  # parameters waiting to be sent
     bucket_elements: int = 0
     stats_handle: Any = None  # the statistics allreduce in flight (one process: the sums)
+    mean_norms: list = dataclasses.field(default_factory=list)  # DDP: |bucket|^2 after allreduce
     pending: torch.Tensor | None = None  # [s..., c, q...] after synchronize, until step()
     count: int | None = None  # unmeasured: the step's micro-gradients, after synchronize
     synchronized: bool = False  # synchronize() ran for this step
@@ -53,8 +48,8 @@ class _StepState:
 
 
 class Statistics:
-    """The statistics' half of ``DistributedOptimizer`` (its attributes: ``_step``,
-    ``param_groups``, ``_hvd_opt``, ``scaling``, ``_op``, ``_factors``, ``_alone``, ...)."""
+    """The statistics' half of ``TorchOptimizer`` (its attributes: ``_step``, ``param_groups``,
+    ``scaling``, ``_averaged``, ...; the engine's ``_allreduce_async`` and ``_wait_sum``)."""
 
     # A backward pass is counted by the parameters' own gradients, not by autograd's end-of-
     # backward callback: under reentrant activation checkpointing that callback belongs to the
@@ -68,35 +63,10 @@ class Statistics:
                 self._step.fired[index] += 1
         return hook
 
-    def _send_counting(self, p: torch.Tensor):
-        """Unmeasured, with Horovod's hooks: hand p's gradient to Horovod; before the step's
-        last one, the micro-gradient count goes out (so it joins their allreduce)."""
-        step = self._step
-        if not self._sending_rest:
-            step.sent += 1
-            if step.sent == self._trained and step.stats_handle is None:
-                step.stats_handle = self._start_count(self.backward_passes_per_step)
-        return self._send(p)
-
-    def _local_passes(self) -> int:
-        """Unmeasured: the passes this worker took this step (Horovod's counters or the count
-        hooks: the largest count over parameters; a short step takes fewer than k)."""
-        if self._hooked:
-            return max(self._step.fired, default=0)
-        k, delay = self.backward_passes_per_step, self._hvd_opt._allreduce_delay
-        if k == 1:
-            return 1 if self._step.sent or any(p.grad is not None for p in self._params()) else 0
-        return max((k - delay[p] for p in self._hvd_opt._requires_update), default=0)
-
     def _start_count(self, passes: int):
         """[c] over workers, reduced as the gradients are (``start_statistics``'s wire)."""
         count = torch.tensor([float(passes)], dtype=self._stats_dtype, device=self._device)
-        if self._alone:
-            return count
-        return hvd.allreduce_async_(count, op=self._op, name=STATS_NAME + ".count",
-                                    prescale_factor=self._factors[0],
-                                    postscale_factor=self._factors[1],
-                                    process_set=self._process_set)
+        return self._allreduce_async(count, STATS_NAME + ".count")
 
     def _make_norm_hook(self, group_index: int, p: torch.Tensor, index: int):
         precondition = self.scaling.policy.statistics == "preconditioned"
@@ -115,7 +85,8 @@ class Statistics:
             if step.fired[index] > step.passes_started:  # the first gradient of a new pass
                 step.passes_started += 1
                 self.scaling.clock.pass_started()
-            if step.fired_total == self._all_gradients and step.stats_handle is None:
+            if step.fired_total == self._all_gradients and step.stats_handle is None \
+                    and self._sends_at_last_gradient:
                 # The step's last gradient: this hook runs before Horovod's hook enqueues its
                 # allreduce, so the statistics are in Horovod's queue no later than the last
                 # gradient and never wait a cycle for themselves. (Otherwise, with parameters
@@ -123,52 +94,19 @@ class Statistics:
                 step.stats_handle = self.start_statistics()
         return hook
 
-    def _send_in_buckets(self, p: torch.Tensor):
-        """Horovod's hook hands over each gradient of the step (k = 1) to be sent; it goes out
-        with its bucket, after the bucket's norms. Returns what Horovod's hook records for p."""
-        if self._sending_rest:
-            return self._send(p)  # no gradient this step: Horovod sends zeros, nothing to measure
-        step = self._step
-        step.bucket.append(p)
-        step.bucket_elements += p.grad.numel()
-        step.fired_total += 1
-        if (step.fired_total == self._all_gradients or len(step.bucket) >= BUCKET_TENSORS
-                or step.bucket_elements >= BUCKET_ELEMENTS):
-            return self._flush_bucket(current=p)
-        return None, None  # a placeholder until its bucket is sent (below)
-
-    def _flush_bucket(self, current: torch.Tensor | None = None):
-        """Take the bucket's norms, then send its gradients (the statistics first when this is
-        the step's last gradient). Returns ``current``'s (handle, ctx) for Horovod's hook."""
-        step = self._step
-        bucket, step.bucket, step.bucket_elements = step.bucket, [], 0
-        if not bucket:
-            return None, None
-        self._take_norms(bucket)
-        if step.fired_total == self._all_gradients and step.stats_handle is None:
-            step.stats_handle = self.start_statistics()
-        handles, result = self._hvd_opt._handles, (None, None)
-        for p in bucket:
-            sent = self._send(p)
-            if p is current:
-                result = sent
-            else:
-                handles[p] = sent
-        return result
-
-    def _grad_norms(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """|p.grad| of each parameter, a float64 vector (``norms``): one fused kernel when the
-        gradients allow it (dense, one dtype); adascale_adam's preconditioned gradients one at a
-        time (one alive at a time, not the whole model's)."""
-        grads = [p.grad for p in params]
+    def _grad_norms(self, params: list[torch.Tensor], grads: list | None = None) -> torch.Tensor:
+        """|p.grad| (or |grads[i]|) of each parameter, a float64 vector (``norms``): one fused
+        kernel when the gradients allow it (dense, one dtype); adascale_adam's preconditioned
+        gradients one at a time (one alive at a time, not the whole model's)."""
+        grads = [p.grad for p in params] if grads is None else grads
         if self.scaling.policy.statistics == "preconditioned":
             return torch.cat([self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
                               for p, g in zip(params, grads)])
         return norms(grads)
 
-    def _take_norms(self, params: list[torch.Tensor]) -> None:
+    def _take_norms(self, params: list[torch.Tensor], grads: list | None = None) -> None:
         """Keep the bucket's norms for this step's sums: as one vector when there is one group."""
-        vector = self._grad_norms(params)
+        vector = self._grad_norms(params, grads)
         norms = self._step.norms
         if len(norms) == 1:
             norms[0].append(vector)
@@ -177,33 +115,35 @@ class Statistics:
                 norms[self._group_of[p]].append(vector[i:i + 1])
 
     def start_statistics(self):
-        """[s..., c] over workers, asynchronously, reduced exactly as the gradients are (their op,
-        pre/postscale factors and dtype): Horovod fuses only tensors that agree on these, so the
-        statistics join the gradients' allreduce instead of being a collective of their own.
-        In the gradients' dtype the sums travel three times (``hvd_scale.reduce``: the wire);
+        """[s..., c] over workers, asynchronously (the engine's ``_allreduce_async``). In the
+        gradients' dtype the sums travel three times (``hvd_scale.reduce``: the wire);
         ``_summed`` turns the result into the float64 sum."""
         s = self.local_statistics()
         groups = len(self.param_groups)
         wire = torch.cat([*wire_copies(s[:groups]), s[groups:]]).to(self._stats_dtype)
-        if self._alone:
-            return wire  # the sum over one worker (Horovod's factors multiply to 1)
-        return hvd.allreduce_async_(wire, op=self._op, name=STATS_NAME,
-                                    prescale_factor=self._factors[0], postscale_factor=self._factors[1],
-                                    process_set=self._process_set)
+        return self._allreduce_async(wire, STATS_NAME)
 
-    def _sum_of(self, handle) -> torch.Tensor:
-        """What a statistics allreduce (``start_statistics``, ``_start_count``) sent, summed over
-        workers, float64: its result (one process: the tensor itself), times the world size
-        under op=Average."""
-        reduced = (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).double()
-        if self._op == hvd.Average:
-            reduced.mul_(self.scaling.hvd.size())
-        return reduced
+    def _finish_statistics(self, handle, counting: bool) -> None:
+        """After the gradients' allreduce: p.grad made the mean micro-gradient, and the step's
+        statistics (``pending``: [s..., c, q...]) or count kept for ``reduced_statistics``."""
+        step = self._step
+        if handle is None:
+            self._to_mean_gradient(None)
+        elif counting:
+            count = self._wait_sum(handle).round()  # exact again after the average's rounding
+            step.counted()
+            self._to_mean_gradient(count[0])
+            step.count = int(count.item())
+        else:
+            summed = self._summed(handle)
+            self._to_mean_gradient(summed[len(self.param_groups)])
+            # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
+            step.pending = torch.cat([summed, self.mean_sqnorms(summed[len(self.param_groups)])])
 
     def _summed(self, handle) -> torch.Tensor:
         """[s..., c] summed over workers, float64, from ``start_statistics``'s handle."""
         groups = len(self.param_groups)
-        reduced = self._sum_of(handle)
+        reduced = self._wait_sum(handle)
         plain, wide, narrow, count = (reduced[:groups], reduced[groups:2 * groups],
                                       reduced[2 * groups:3 * groups], reduced[3 * groups:])
         # A count of micro-batches, exact again after the average's rounding.
@@ -237,9 +177,9 @@ class Statistics:
         step.counted()
         return torch.stack(sums + [count])
 
-    def mean_sqnorms(self) -> torch.Tensor:
+    def mean_sqnorms(self, count: torch.Tensor | None = None) -> torch.Tensor:
         """|g_bar|^2 per group (float64) from the mean micro-gradient that p.grad holds after
-        synchronize."""
+        synchronize (``count``, n, is for an engine that measured the sum earlier: DDP's)."""
         out = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -250,14 +190,14 @@ class Statistics:
     def _to_mean_gradient(self, count: torch.Tensor | None) -> None:
         """Make p.grad the mean of the step's micro-gradients, in place (no copy).
 
-        Horovod leaves there, over workers, the mean (op=Average) or the sum (op=Sum) of each
-        worker's *sum* of its passes. The mean over all n micro-gradients is what Keras applies
+        The engine leaves there, over workers, the mean (Horovod's op=Average, DDP) or the sum
+        (op=Sum) of each worker's *sum* of its passes. The mean over all n micro-gradients is what Keras applies
         too, so one loss convention (each micro-batch's mean loss, not divided by k) gives the
         same update in both frameworks. ``count``: n, from the statistics (a device tensor); None
         without measurement, when every worker is taken to have made k passes.
         """
         k, workers = self.backward_passes_per_step, self.scaling.hvd.size()
-        per_worker_mean = self._op == hvd.Average
+        per_worker_mean = self._averaged
         # At k = 1 the average is already the mean unless some worker sent no pass: a rank
         # that called hvd.join() contributes zeros, and Horovod still divides by all workers.
         # On the CPU n is read for free and the multiply skipped when it changes nothing; on
