@@ -22,6 +22,23 @@ first would bias the EMA upwards wherever the noise dominates: with n = S = 2 an
 low (tests/test_estimate.py). sigma2_hat >= 0 holds for every step (m >= q); it is floored at
 SIGMA2_FLOOR * m only against a step whose micro-gradients are all equal.
 
+Cheaper statistics, whose reads per step do not grow with the k backward passes per worker
+(W workers, n = W k micro-gradients, S unchanged; q is always |g_bar|^2 of the full average):
+
+    workers   s = sum_w |h_w|^2 of each worker's accumulated gradient h_w (the mean of its k
+              passes), handed with n = W. h_w is itself one i.i.d. sample of k micro-batches, of
+              variance sigma2 W / S: the model above with n = W, so both estimators stay
+              unbiased. Needs W >= 2. Still m >= q (Cauchy-Schwarz).
+    sampled   one pass per worker chosen at random, r = W of the n micro-gradients, handed as
+              s = (n / r) sum_{i in R} |g_i|^2 with n = W k: for a subset R chosen without
+              looking at the gradients E[s / n] = E|g|^2, so both estimators keep their means.
+              But m >= q no longer holds: a step's sigma2_hat can be < 0, and the floor above
+              then clips it, biasing the smoothed sigma2 upwards where that is frequent (few
+              reads; noise of low rank with the signal along it).
+
+``estimate_variances`` gives each one's per-step variance for Gaussian micro-gradients
+(tests/test_estimator_sampling.py, benchmarks/estimator_variance.py).
+
 Everything here is numpy. Statistics are floats, or 1-D arrays with one entry per parameter group;
 the gain uses the sums over groups (one lr factor for the whole model, as in the paper).
 """
@@ -112,6 +129,31 @@ def estimate_moments(sqnorm_sum, mean_sqnorm, n: int, scale: float) -> tuple[np.
     sigma2 = np.maximum(scale * (m - q) / (n - 1), SIGMA2_FLOOR * m)
     mu2 = (n * q - m) / (n - 1)
     return sigma2, mu2
+
+
+def estimate_variances(n: int, scale: float, trace_c2: float, mu_c_mu: float = 0.0,
+                       reads: int | None = None) -> tuple[float, float]:
+    """Predicted variances of one step's (sigma2_hat, mu2_hat) for Gaussian micro-gradients.
+
+    C is the covariance of one baseline-batch gradient (tr C = sigma2), mu the true gradient:
+    trace_c2 = tr(C^2), mu_c_mu = mu^T C mu. n and scale are what the engine is handed (n = W for
+    the per-worker statistics); reads = r <= n is how many micro-gradients' norms enter
+    sqnorm_sum, scaled by n / r (None: all n).
+    """
+    r = n if reads is None else reads
+    if not 2 <= n or not 1 <= r <= n:
+        raise ValueError(f"need n >= 2 and 1 <= reads <= n, got n = {n}, reads = {reads}")
+    # A micro-gradient is mu + e, e ~ N(0, C'), C' = (n / S) C. m_R - q (m_R: the mean over the r
+    # read) is 2 mu.(e_R_bar - e_bar), variance 4 (1/r - 1/n) mu^T C' mu, plus sum_ij B_ij e_i.e_j,
+    # variance 2 tr(B^2) tr(C'^2) with tr(B^2) = 1/r - 1/n^2; for Gaussian e the two are
+    # uncorrelated. Reading all n the linear term cancels: a chi-square, 2 tr(C^2) / (n - 1).
+    var_sigma2 = (2 * (n * n / r - 1) * trace_c2
+                  + 4 * scale * (n / r - 1) * mu_c_mu) / (n - 1) ** 2
+    # q = |mu + e_bar|^2 with e_bar ~ N(0, C / S), uncorrelated with sigma2_hat for every r
+    # (the covariance's terms cancel), so mu2_hat = q - sigma2_hat / S adds the two.
+    var_q = 4 * mu_c_mu / scale + 2 * trace_c2 / scale ** 2
+    var_mu2 = var_q + var_sigma2 / scale ** 2
+    return var_sigma2, var_mu2
 
 
 def summed_moments(sigma2, mu2) -> tuple[float, float]:
