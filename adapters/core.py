@@ -37,10 +37,25 @@ def run_step(opt, step):
     return opt.apply_step(plan, step)
 
 
-def precondition(grad, second_moment, correction, eps, sqrt):
+def precondition(grad, second_moment, correction, eps, sqrt, *, beta2=None, mean=None,
+                 maximum=None):
     """Adam's preconditioned gradient g / (sqrt(v / c2) + eps), c2 = 1 - beta2^t the bias
-    correction of v (``Policy.second_moment_correction``), in any framework's ops (``sqrt``)."""
-    return grad / (sqrt(second_moment / correction) + eps)
+    correction of v (``Policy.second_moment_correction``), in any framework's ops (``sqrt``).
+
+    beta2 (with the framework's ``mean`` and ``maximum``): v_hat is floored per tensor at
+    (1 - beta2) / c2 x mean(v_hat). v is the one before this step's update, and where it holds
+    (nearly) no gradient yet (a ReLU unit dead so far, a rarely used weight) g / (sqrt(v_hat) +
+    eps) is ~g / eps: one such coordinate put 4e10 into a step's sigma2 whose bulk is ~2e5
+    (benchmarks/results/adam_precondition.md), and the gain sat at S for hundreds of steps. Adam
+    itself divides this step by v_t = beta2 v + (1 - beta2) g_bar^2 >= (1 - beta2) g_bar^2; g_bar
+    is unknown before the allreduce, so the tensor's typical squared gradient, mean(v_hat),
+    stands in for it: the same P for every micro-gradient and the mean (the estimator's m - q
+    stays a variance), a bound of ~sqrt(c2 / (1 - beta2)) on what Adam's own step gives such a
+    coordinate, and the bulk (v_hat above the floor) untouched."""
+    v_hat = second_moment / correction
+    if beta2 is not None:
+        v_hat = maximum(v_hat, (1.0 - beta2) / correction * mean(v_hat))
+    return grad / (sqrt(v_hat) + eps)
 
 
 @dataclasses.dataclass(frozen=True)

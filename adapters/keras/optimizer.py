@@ -532,8 +532,12 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                 out.append(g)
                 continue
             correction = ops.cast(ops.maximum(bias_correction2, 1e-30), velocity.dtype)
+            # v_hat floored per tensor (``core.precondition``): where v holds no gradient yet
+            # (a ReLU unit dead so far) g / eps would swamp sigma2 and pin the gain at S.
             ratio = precondition(ops.cast(g, velocity.dtype), velocity.value, correction,
-                                 ops.cast(owner.epsilon, velocity.dtype), ops.sqrt)
+                                 ops.cast(owner.epsilon, velocity.dtype), ops.sqrt,
+                                 beta2=ops.cast(owner.beta_2, velocity.dtype), mean=ops.mean,
+                                 maximum=ops.maximum)
             # First step: no second moment yet, the plain gradient (as the torch adapter).
             out.append(ops.where(t > 0, ops.cast(ratio, g.dtype), g))
         return out
