@@ -236,7 +236,8 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
             # step there is no v_hat, and the next step measures instead (alike on every rank).
             if not all("exp_avg_sq" in self.state.get(p, {}) for p in params):
                 return
-            scaling = [self._precondition(p, torch.ones_like(p), group).sqrt_() for p in params]
+            scaling = [self._precondition(p, torch.ones_like(p), group, floored=False).sqrt_()
+                       for p in params]
             limits = {"beta1": group["betas"][0]}
         else:
             scaling = None

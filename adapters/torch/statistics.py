@@ -153,8 +153,11 @@ class Statistics:
         """[|g|] as a float64 vector of one (``norms``)."""
         return norms([g])
 
-    def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
-        """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step)."""
+    def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict,
+                      floored: bool = True) -> torch.Tensor:
+        """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step),
+        v_hat floored for the statistics (``core.precondition``); ``floored=False``: Adam's own
+        preconditioner (the guard's)."""
         state = self.state.get(p)
         if not state or "exp_avg_sq" not in state:
             return grad  # first step: no second moment yet, the plain gradient
@@ -162,7 +165,10 @@ class Statistics:
             self.scaling.run.policy, group["betas"][1], float(state["step"]))
         if bias_correction2 == 0.0:
             return grad  # v holds no gradient yet
-        return precondition(grad, state["exp_avg_sq"], bias_correction2, group["eps"], torch.Tensor.sqrt_)
+        floor = {"beta2": group["betas"][1], "mean": torch.mean, "maximum": torch.maximum} \
+            if floored else {}
+        return precondition(grad, state["exp_avg_sq"], bias_correction2, group["eps"],
+                            torch.Tensor.sqrt_, **floor)
 
     def local_statistics(self) -> torch.Tensor:
         """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), float64: squares of the

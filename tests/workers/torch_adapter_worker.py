@@ -340,7 +340,10 @@ def case_adam():
     g_before = g.clone()
     # Adam's v after these steps, its horizons in progress: bias correction 1 - beta2 ** tau.
     bias_correction2 = 1 - group["betas"][1] ** opt.progress
-    expected = g / ((opt.state[p]["exp_avg_sq"] / bias_correction2).sqrt() + group["eps"])
+    v_hat = opt.state[p]["exp_avg_sq"] / bias_correction2
+    # v_hat floored at (1 - beta2) / c2 x its mean (core.precondition: weights whose v is empty)
+    v_hat = torch.maximum(v_hat, (1 - group["betas"][1]) / bias_correction2 * v_hat.mean())
+    expected = g / (v_hat.sqrt() + group["eps"])
     exact = torch.equal(opt._precondition(p, g, group), expected)
     emit("adam", rows=rows, lr=opt.param_groups[0]["lr"], precondition_exact=exact,
          plain_sigma2=sgd.sigma2, history=opt.policy.MIN_ADAM_HISTORY,
