@@ -184,6 +184,45 @@ def run_horovod(
                        what="Horovod job")
 
 
+TORCHRUN = BIN_DIR / "torchrun"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a torchrun rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(args: Sequence[str], nproc: int = 2, timeout: float = 120,
+                 env: Mapping[str, str] | None = None, torchrun_args: Iterable[str] = (),
+                 check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``args`` (a script and its arguments) on ``nproc`` local torch.distributed processes
+    through torchrun (a standalone rendezvous on 127.0.0.1), capturing their output. Each rank's
+    stdout and stderr go to a file of its own (torchrun's --redirects), read back rank by rank
+    into the result's stdout and stderr, so that two ranks' long lines never interleave."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hvd_scale_torchrun_") as logs:
+        cmd = [TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--redirects=3", f"--log-dir={logs}",
+               *torchrun_args, *args]
+        proc = run_process(cmd, timeout=timeout, env=worker_env(env), check=False,
+                           what="torchrun job")
+        streams = {"stdout": [proc.stdout or ""], "stderr": [proc.stderr or ""]}
+        for path in sorted(Path(logs).rglob("*.log"), key=lambda p: (len(p.parts), str(p))):
+            if path.stem in streams:
+                streams[path.stem].append(path.read_text(errors="replace"))
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, "".join(streams["stdout"]),
+                                         "".join(streams["stderr"]))
+    if check and result.returncode != 0:
+        raise AssertionError(_describe(proc.args, f"torchrun job failed with exit code "
+                                       f"{result.returncode}", result.stdout, result.stderr))
+    return result
+
+
 def run_process(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
                 cwd: str | os.PathLike | None = None, check: bool = True,
                 what: str = "command") -> subprocess.CompletedProcess:

@@ -1,0 +1,324 @@
+"""torch.distributed's engine for the torch optimizer (``optimizer.py``: the protocol's hooks,
+shared with ``horovod.py``): a ``DistributedDataParallel`` model's own communication carries the
+statistics. No Horovod is imported.
+
+    dist.init_process_group("gloo")                      # torchrun sets the rendezvous
+    model = DistributedDataParallel(model)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)  # --policy
+    for step ...:
+        for i, batch in enumerate(micro_batches):        # k = backward_passes_per_step
+            with model.no_sync() if i < k - 1 else contextlib.nullcontext():
+                loss_fn(model(x), y).backward()          # each micro-batch's mean loss
+        opt.step(); opt.zero_grad()
+
+How the statistics ride DDP's communication (one communication hook, ``register_comm_hook``):
+
+* each bucket, before its allreduce: at one pass per step, its local gradients' norms (one
+  fused kernel over the bucket: DDP's buckets are the Horovod path's buckets); with
+  accumulation the passes under ``no_sync()`` are measured by a tensor hook per parameter, as
+  Horovod's are (``statistics.py``), and DDP allreduces the sum of the k passes at the last;
+* the bucket's allreduce is DDP's own (or the user's hook: ``comm_hook=``); when it completes,
+  |g_bar|^2 of the averaged bucket is taken in its future's callback, before anything (a
+  GradScaler's ``unscale_``) touches the gradients;
+* at the last bucket, [s..., c] go out in one small float64 allreduce on the same process
+  group, issued after that bucket's, so it overlaps the gradients' tail; ``step()`` waits for
+  it, and p.grad becomes the mean of the step's micro-gradients (``_to_mean_gradient``).
+
+S, n and the agreement are those of the model's process group. Gloo has no ReduceOp.AVG: the
+statistics are summed (SUM on every backend), the gradients averaged by DDP's hook (a division
+by the group's size before its SUM allreduce, as DDP's default does on NCCL and Gloo alike).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, check_passes
+from hvd_scale.adapters.core import Framework, Request, Scaling
+from hvd_scale.adapters import environment
+from hvd_scale.guard import SharpnessGuard
+from hvd_scale.moments import EPS_CORRECTED
+from hvd_scale.policies import Policy
+
+from .norms import norms
+from .optimizer import TorchOptimizer
+
+FSDP_REFUSED = (
+    "hvd_scale does not support FSDP yet: FSDP reduce-scatters each gradient, so no rank holds "
+    "g_bar whole. Supporting it means taking each rank's squared norms of its local gradient "
+    "before the reduce-scatter (FSDP2's set_custom_reduce_scatter, or a comm hook on FSDP1) and "
+    "|g_bar|^2 of each rank's shard after it, all of which add up over ranks in the statistics' "
+    "one allreduce. Wrap the model in DistributedDataParallel instead")
+
+
+class TorchDistributedBinding:
+    """``core.Scaling``'s collectives (``protocol.HorovodBinding``) on a torch.distributed
+    process group (None: the default group)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def allgather_object(self, obj, name=None) -> list:
+        out = [None] * self.size()
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj, root_rank=0, name=None):
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=root_rank)
+        return box[0]
+
+
+def _ddp_model(model) -> DistributedDataParallel:
+    """The DDP module behind ``model`` (a ``torch.compile``d one too); FSDP is refused."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    kinds = {cls.__name__ for cls in type(model).__mro__}
+    if kinds & {"FullyShardedDataParallel", "FSDPModule"}:
+        raise ValueError(FSDP_REFUSED)
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"model must be a torch.nn.parallel.DistributedDataParallel (the module "
+                        f"whose gradients DDP averages), got {type(model).__name__}: wrap it "
+                        "first, model = DistributedDataParallel(model)")
+    return model
+
+
+class DistributedOptimizer(TorchOptimizer):
+    """Wrap any torch optimizer of a ``DistributedDataParallel`` model: an lr scaling policy
+    whose statistics ride DDP's gradient allreduce.
+
+    Args:
+        optimizer: the plain torch optimizer over the DDP model's parameters.
+        model: the ``DistributedDataParallel`` model (or ``torch.compile(ddp_model)``); its
+            process group is the job (S, n and the agreement are the group's).
+        policy, backward_passes_per_step, scale, budget, grad_scaler, measure, log_dir,
+            nonfinite, guard, adapt, max_passes, adapt_every: as for Horovod's
+            (``hvd_scale.adapters.torch.DistributedOptimizer``). With k > 1, run the first
+            k - 1 backward passes of a step under ``model.no_sync()`` (DDP's accumulation); a
+            short step (fewer passes, a leftover batch) counts the passes taken.
+        comm_hook: a DDP communication hook of your own, ``hook`` or ``(state, hook)`` (e.g.
+            ``default_hooks.fp16_compress_hook``, PowerSGD's): the statistics compose with it
+            (norms before it, |g_bar|^2 of what it returns), as torch's ``fp16_compress_wrapper``
+            composes with another hook. A hook registered on the model before is refused
+            (DDP takes one): pass it here.
+    """
+
+    # The statistics go out from the last bucket's hook (the same collective order on every
+    # rank), never from a tensor hook during backward.
+    _sends_at_last_gradient = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model, policy: str | Policy | None = None,
+                 backward_passes_per_step: int = 1, *, scale: float | None = None,
+                 budget: float | None = None, grad_scaler: Any = None,
+                 measure: bool | None = None, log_dir: str | None = None, nonfinite: str = "skip",
+                 guard: SharpnessGuard | None = None, adapt: str | None = None,
+                 max_passes: int | None = None, adapt_every: int = ADAPT_EVERY,
+                 comm_hook: Callable | tuple | None = None):
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, TorchOptimizer):
+            raise TypeError(f"optimizer must be a plain torch.optim.Optimizer (wrapped once), got "
+                            f"{type(optimizer).__name__}")
+        ddp = _ddp_model(model)
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call "
+                               "dist.init_process_group(...) before building the optimizer")
+        self._ddp = ddp
+        self._group = ddp.process_group
+        self._check_parameters(optimizer, ddp)
+        groups = len(optimizer.param_groups)
+        self.scaling = Scaling(
+            TorchDistributedBinding(self._group),
+            Request(policy=policy, passes=backward_passes_per_step, scale=scale, budget=budget,
+                    measure=measure, nonfinite=nonfinite, log_dir=environment.log_dir(log_dir),
+                    log_every=environment.log_every()),
+            Framework(optimizer_name=type(optimizer).__name__, name="torch/ddp", groups=groups,
+                      base_lrs=[g.get("lr") for g in optimizer.param_groups],
+                      lr_names=[f"param_groups[{i}]['lr']" for i in range(groups)],
+                      eps_placement=EPS_CORRECTED, short_steps=True),
+            adaptation=Adaptation(adapt, max_passes, adapt_every,
+                                  check_passes(backward_passes_per_step), measure),
+            guard=guard)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.optimizer_name = type(optimizer).__name__
+        self.engine = "ddp"
+        self._averaged = True  # DDP leaves the mean over workers of each worker's sum
+        self._grad_scaler = grad_scaler
+        self._share_groups(optimizer)
+        self._stats_dtype = torch.float64  # an allreduce of its own: exact counts, no overflow
+        # One pass per step: the norms are taken in DDP's buckets. With accumulation (or adapt:
+        # k may change) each pass's gradient is seen only by a tensor hook, before it is added.
+        self._bucketed = self._measure and backward_passes_per_step == 1 and adapt is None
+        kind = None if self._bucketed else "norms" if self._measure else \
+            "count" if backward_passes_per_step > 1 or adapt is not None else None
+        # (Unmeasured at k = 1: every worker took the one pass DDP synchronized, n = workers.)
+        self._hook_parameters(kind)
+        state, hook = comm_hook if isinstance(comm_hook, tuple) else (self._group, comm_hook)
+        self._user_hook, self._user_state = hook or allreduce_hook, state
+        try:
+            ddp.register_comm_hook(None, self._comm_hook)
+        except RuntimeError as e:
+            raise ValueError("hvd_scale: this DDP model has a communication hook already (DDP "
+                             "takes one): pass it to DistributedOptimizer(..., comm_hook=hook) or "
+                             "comm_hook=(state, hook) instead of registering it, and the "
+                             f"statistics compose with it ({e})") from None
+
+    @staticmethod
+    def _check_parameters(optimizer, ddp) -> None:
+        """The optimizer trains exactly the parameters DDP averages: another would train apart
+        on each worker, and one DDP averages but the optimizer does not hold would be counted
+        in the statistics (its bucket's norm) but never applied."""
+        ignored = getattr(ddp, "parameters_to_ignore", set())
+        averaged = {id(p): p for name, p in ddp.module.named_parameters()
+                    if name not in ignored and p.requires_grad}
+        held = {id(p): p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        stray = [tuple(p.shape) for key, p in held.items() if key not in averaged]
+        unheld = [tuple(p.shape) for key, p in averaged.items() if key not in held]
+        if stray or unheld:
+            raise ValueError(
+                "hvd_scale: the optimizer must train exactly the parameters the "
+                "DistributedDataParallel model averages; "
+                + (f"{len(stray)} of the optimizer's are not averaged by it (shapes {stray})"
+                   if stray else f"{len(unheld)} it averages are not in the optimizer (shapes "
+                   f"{unheld}): freeze them (requires_grad=False) before wrapping in DDP, or "
+                   "give them to the optimizer"))
+
+    # -- DDP's communication hook ------------------------------------------------------------------
+    def _comm_hook(self, _, bucket):  # (no annotation: DDP checks it, and ours are strings)
+        step = self._step
+        if bucket.index() == 0:
+            if step.stats_handle is not None:
+                self._unconsumed()
+            step.mean_norms = []
+        grads, params = bucket.gradients(), bucket.parameters()
+        if self._bucketed:
+            step.fired_total += len(grads)
+            if len(self.param_groups) == 1 and self.scaling.policy.statistics == "plain":
+                step.norms[0].append(norms([bucket.buffer()]))  # one read of the whole bucket
+            else:
+                self._take_norms(params, grads)
+        future = self._user_hook(self._user_state, bucket)
+        if self._measure:
+            future = future.then(self._mean_norms_of(params, grads))
+        if bucket.is_last():
+            if self._measure:
+                step.stats_handle = self.start_statistics()
+            elif self._hooked:
+                step.stats_handle = self._start_count(max(step.fired, default=0))
+        return future
+
+    def _mean_norms_of(self, params, grads):
+        """The future's callback: |g_bar|^2 of the bucket's averaged gradients, per group (the
+        result laid out as the bucket's gradients), kept for ``mean_sqnorms``."""
+        step = self._step
+        shapes = [(g.numel(), g.shape) for g in grads]
+
+        def reduced(future):
+            out = future.value()
+            if isinstance(out, (list, tuple)):
+                out = out[0]
+            if len(self.param_groups) == 1 and self.scaling.policy.statistics == "plain":
+                step.mean_norms.append((0, norms([out]).square().sum()))
+            else:
+                views, at = [], 0
+                for numel, shape in shapes:
+                    views.append(out.narrow(0, at, numel).view(shape))
+                    at += numel
+                squares = self._grad_norms(params, views).square()
+                for i, p in enumerate(params):
+                    step.mean_norms.append((self._group_of.get(p, 0), squares[i]))
+            return out
+        return reduced
+
+    def _unconsumed(self) -> None:
+        """A synchronizing pass while the previous one's statistics wait for ``step()``: with a
+        GradScaler that skipped the step (an overflow) that step is counted skipped; otherwise
+        the loop synchronized twice in one step."""
+        handle, self._step.stats_handle = self._step.stats_handle, None
+        self._drop(handle)
+        if self._grad_scaler is None:
+            raise RuntimeError(
+                "hvd_scale: a second synchronizing backward pass before opt.step(): with "
+                f"backward_passes_per_step={self.backward_passes_per_step}, run the first k - 1 "
+                "passes of a step under model.no_sync(), and call opt.step() after the last "
+                "(it skips a non-finite step itself)")
+        self.scaling.skip()
+
+    # -- what TorchOptimizer asks of an engine -------------------------------------------------------
+    def _gather(self):
+        self._check_no_parameter_unfrozen()
+        self.scaling.clock.waiting()
+        step = self._step
+        handle, step.stats_handle = step.stats_handle, None
+        if handle is None and (self._measure or self._hooked):
+            raise RuntimeError("hvd_scale: opt.step() without a synchronizing backward pass: "
+                               "the step's last backward pass must run outside model.no_sync() "
+                               "(DDP averages the gradients there)")
+        self._finish_statistics(handle, counting=not self._measure and handle is not None)
+        self.scaling.clock.waited()
+        return step
+
+    def mean_sqnorms(self, count: torch.Tensor | None = None) -> torch.Tensor:
+        """|g_bar|^2 per group from the buckets' averaged gradients (taken as each allreduce
+        completed): DDP's average is of each worker's sum of passes, the mean micro-gradient
+        is that times workers / n."""
+        sums = [torch.zeros((), dtype=torch.float64, device=self._device)
+                for _ in self.param_groups]
+        for group, square in self._step.mean_norms:
+            sums[group] = sums[group] + square
+        factor = 1.0 if count is None else self.scaling.hvd.size() / count.clamp(min=1)
+        return torch.stack(sums) * factor ** 2
+
+    def _inner_step(self, closure):
+        return self._inner.step(closure)
+
+    def _in_step(self) -> bool:
+        return self._step.stats_handle is not None
+
+    def _counted_by_engine(self) -> bool:
+        return False
+
+    def _follow_passes(self) -> None:
+        k = self.scaling.passes
+        self.backward_passes_per_step = k
+        self._all_gradients = self._trained * k
+
+    def _allreduce_async(self, tensor: torch.Tensor, name: str):
+        return dist.all_reduce(tensor, group=self._group, async_op=True), tensor
+
+    def _wait_sum(self, handle) -> torch.Tensor:
+        work, tensor = handle
+        work.wait()
+        return tensor.double()
+
+    def _drop(self, handle) -> None:
+        if handle is not None:
+            handle[0].wait()
+
+    def _average(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self._group)
+        return tensor / dist.get_world_size(self._group)
+
+
+def broadcast_state(model, optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
+    """The model's weights and buffers, the optimizer's state and the run's record from
+    ``root_rank`` (a rank of the model's process group) on every rank: after a checkpoint
+    loaded on that rank only. (DDP broadcasts the weights once, when it wraps the model.)"""
+    if not isinstance(optimizer, DistributedOptimizer):
+        raise TypeError(f"broadcast_state(model, optimizer) takes hvd_scale's DDP "
+                        f"DistributedOptimizer, got {type(optimizer).__name__}")
+    ddp, group = _ddp_model(model), optimizer._group
+    for tensor in ddp.module.state_dict().values():
+        dist.broadcast(tensor, group=group, group_src=root_rank)
+    box = [optimizer.state_dict()]
+    dist.broadcast_object_list(box, group=group, group_src=root_rank)
+    if dist.get_rank(group) != root_rank:
+        optimizer.load_state_dict(box[0])

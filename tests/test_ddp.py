@@ -1,0 +1,93 @@
+"""The torch adapter under torch.distributed (``hvd_scale.adapters.torch.ddp``): the same script,
+seeds and micro-batches under ``horovodrun -np 2``, ``torchrun --nproc-per-node 2`` and in one
+process (the engine's own functions over the same micro-gradients) give the same per-step gain,
+lr factor, tau, sigma2, mu2 and weights, for every policy at k = 1 and 4; a checkpoint saved
+under one engine resumes under the other (tests/workers/engines_worker.py).
+
+Tolerance: the model is float64 and every path sums the same numbers in another order, so
+relative 1e-9 (a difference of convention, of n or S or of the loss's scaling over k, shows at
+1e-3 or more)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, run_process, run_torchrun, worker_results
+
+WORKER = WORKERS_DIR / "engines_worker.py"
+RTOL = 1e-9
+KEYS = ("gain", "lr_factor", "progress", "sigma2", "mu2", "steps")
+
+
+def _by_run(results):
+    out = {}
+    for r in results:
+        out.setdefault(r["run"], {})[r["rank"]] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """The three runs: Horovod (saving a checkpoint), DDP (resuming Horovod's, saving its own),
+    Horovod again (resuming DDP's), and the one-process reference."""
+    folder = tmp_path_factory.mktemp("engines")
+    runs = {"horovod": _by_run(worker_results(run_horovod(
+        [sys.executable, str(WORKER), "--engine", "horovod", "--save", str(folder)], np=2,
+        timeout=240)))}
+    runs["ddp"] = _by_run(worker_results(run_torchrun(
+        [str(WORKER), "--engine", "ddp", "--save", str(folder),
+         "--resume", str(folder / "horovod.pt")], timeout=240)))
+    resumed = _by_run(worker_results(run_horovod(
+        [sys.executable, str(WORKER), "--engine", "horovod", "--resume", str(folder / "ddp.pt")],
+        np=2, timeout=240)))
+    runs["horovod"]["resumed from ddp"] = resumed["resumed"]
+    runs["reference"] = _by_run(worker_results(run_process(
+        [sys.executable, str(WORKER), "--engine", "reference"], timeout=240)))
+    return runs
+
+
+def _same(a, b, what):
+    for key in KEYS:
+        np.testing.assert_allclose([row[key] for row in a["rows"]], [row[key] for row in b["rows"]],
+                                   rtol=RTOL, atol=1e-15, err_msg=f"{what}: {key}")
+    np.testing.assert_allclose(a["weights"], b["weights"], rtol=RTOL, atol=1e-12,
+                               err_msg=f"{what}: weights")
+
+
+@requires_horovod
+@pytest.mark.timeout(900)
+def test_every_policy_the_same_under_horovod_ddp_and_one_process(engines):
+    horovod, ddp, reference = engines["horovod"], engines["ddp"], engines["reference"]
+    runs = sorted(r for r in horovod if "/k=" in r)
+    assert len(runs) == 18 and sorted(r for r in ddp if "/k=" in r) == runs
+    for run in runs:
+        for rank in (0, 1):
+            _same(ddp[run][rank], horovod[run][rank], f"{run} rank {rank}: DDP vs Horovod")
+        assert ddp[run][0]["rows"] == ddp[run][1]["rows"], run  # the ranks agree exactly
+        assert ddp[run][0]["scale"] == 2 * int(run.rpartition("=")[2])
+        if run in reference:  # every SGD policy (Adam's horizons: the engines against each other)
+            _same(ddp[run][0], reference[run][0], f"{run}: DDP vs the one-process reference")
+    gains = [row["gain"] for row in ddp["adascale/k=4"][0]["rows"]]
+    assert 1 < min(gains[2:]) and max(gains) <= 8  # measured, not the bounds
+    adam = [row["gain"] for row in ddp["adascale_adam/k=4"][0]["rows"]]
+    assert max(adam) > 1.05, adam  # adascale_adam measured its gain in the runs compared
+    assert len(reference) == 16
+
+
+@requires_horovod
+@pytest.mark.timeout(900)
+def test_a_checkpoint_resumes_under_the_other_engine(engines):
+    """Saved after step 3 under one engine, resumed under the other (on every rank): steps 4..6
+    as the run uninterrupted (tau, the estimates, the lr factor, the weights)."""
+    for resumed, whole, what in (
+            (engines["ddp"]["resumed"], engines["horovod"]["uninterrupted"], "DDP from Horovod's"),
+            (engines["horovod"]["resumed from ddp"], engines["ddp"]["uninterrupted"],
+             "Horovod from DDP's")):
+        for rank in (0, 1):
+            assert [row["steps"] for row in resumed[rank]["rows"]] == [4, 5, 6], what
+            _same(resumed[rank], whole[rank], what)
+    _same(engines["ddp"]["uninterrupted"][0], engines["horovod"]["uninterrupted"][0],
+          "uninterrupted: DDP vs Horovod")

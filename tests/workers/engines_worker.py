@@ -1,0 +1,214 @@
+"""One training script, three ways: under Horovod (``horovodrun -np 2``), under torch.distributed
+(``torchrun --nproc-per-node 2``, DDP) and in one process (``--engine reference``: the engine's
+own functions over the same micro-gradients, computed one after the other). tests/test_ddp.py
+compares them per step.
+
+Every policy at k = 1 and 4, each run 6 steps of a float64 MLP (8 -> 16 tanh -> 3) from the same
+weights, on the same micro-batch per (rank, step, pass). SGD policies use SGD; adascale_adam
+AdamW. Each rank prints ``RESULT {...}`` per run: the per-step gain, lr factor, tau, sigma2,
+mu2, and the weights after.
+
+Checkpoints across engines (``--save DIR`` / ``--resume FILE``): a run of adascale at k = 2
+saves its optimizer and model after step 3 (rank 0, ``DIR/<engine>.pt``) and goes on to step 6
+(run "uninterrupted": steps 4..6); ``--resume`` loads the other engine's checkpoint and takes
+steps 4..6, reported as run "resumed".
+
+    horovodrun --gloo -np 2 -H localhost:2 python engines_worker.py --engine horovod
+    torchrun --nproc-per-node 2 engines_worker.py --engine ddp
+    python engines_worker.py --engine reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import numpy as np
+import torch
+
+from _report import emit_result
+
+WORKERS = 2
+STEPS = 6
+BATCH = 16
+LR = 0.05
+POLICIES = ("none", "linear", "sqrt", "power:alpha=0.7", "fixed:factor=1.5", "warmup:fraction=0.5",
+            "legw:steps=4", "adascale", "adascale_adam")
+BUDGET = 40
+CHECKPOINT_AFTER = 3
+RESUME_K = 2
+# adascale_adam measures from its 20th step on (AdaScaleAdam.MIN_ADAM_HISTORY): longer runs.
+ADAM_STEPS = 24
+
+
+def initial_weights():
+    rng = np.random.default_rng(123)
+    return [rng.normal(0, 0.5, (16, 8)), rng.normal(0, 0.1, 16), rng.normal(0, 0.5, (3, 16)),
+            rng.normal(0, 0.1, 3)]
+
+
+def micro_batch(rank, step, k_pass):
+    rng = np.random.default_rng(1000 * step + 10 * rank + k_pass)
+    return torch.from_numpy(rng.normal(size=(BATCH, 8))), torch.from_numpy(rng.integers(0, 3, BATCH))
+
+
+def new_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), initial_weights()):
+            p.copy_(torch.from_numpy(w))
+    return model
+
+
+def inner_optimizer(policy, params):
+    if policy == "adascale_adam":
+        return torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.98), eps=1e-12, weight_decay=0.05)
+    return torch.optim.SGD(params, lr=LR)
+
+
+def loss_of(model, rank, step, j):
+    x, y = micro_batch(rank, step, j)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def row(opt):
+    return {"gain": opt.gain, "lr_factor": opt.lr_factor, "progress": opt.progress,
+            "sigma2": opt.sigma2, "mu2": opt.mu2, "steps": opt.steps}
+
+
+def weights(model):
+    return np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()]).tolist()
+
+
+class Engine:
+    """Horovod's or DDP's: the model and optimizer, and one step of k passes."""
+
+    def __init__(self, name):
+        self.name = name
+        if name == "horovod":
+            import horovod.torch as hvd
+            hvd.init()
+            self.rank = hvd.rank()
+        else:
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            self.rank = dist.get_rank()
+
+    def build(self, policy, k):
+        model = new_model()
+        if self.name == "horovod":
+            from hvd_scale.adapters.torch import DistributedOptimizer
+            opt = DistributedOptimizer(inner_optimizer(policy, model.parameters()),
+                                       named_parameters=model.named_parameters(), policy=policy,
+                                       backward_passes_per_step=k, budget=BUDGET)
+            return model, model, opt
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hvd_scale.adapters.torch.ddp import DistributedOptimizer
+        ddp = DistributedDataParallel(model)
+        opt = DistributedOptimizer(inner_optimizer(policy, ddp.parameters()), ddp, policy=policy,
+                                   backward_passes_per_step=k, budget=BUDGET)
+        return model, ddp, opt
+
+    def step(self, wrapped, opt, step, k):
+        opt.zero_grad()
+        for j in range(k):
+            quiet = wrapped.no_sync() if self.name == "ddp" and j < k - 1 else contextlib.nullcontext()
+            with quiet:
+                loss_of(wrapped, self.rank, step, j).backward()
+        opt.step()
+
+
+def run_engine(name, save, resume):
+    engine = Engine(name)
+    for policy in POLICIES:
+        for k in (1, 4):
+            model, wrapped, opt = engine.build(policy, k)
+            rows = []
+            for step in range(ADAM_STEPS if policy == "adascale_adam" else STEPS):
+                engine.step(wrapped, opt, step, k)
+                rows.append(row(opt))
+            emit_result({"rank": engine.rank, "engine": name, "run": f"{policy}/k={k}",
+                         "scale": opt.scale, "rows": rows, "weights": weights(model)})
+    if save:  # the run uninterrupted, saved after step 3
+        model, wrapped, opt = engine.build("adascale", RESUME_K)
+        rows = []
+        for step in range(STEPS):
+            engine.step(wrapped, opt, step, RESUME_K)
+            rows.append(row(opt))
+            if step + 1 == CHECKPOINT_AFTER and engine.rank == 0:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                           os.path.join(save, f"{name}.pt"))
+        emit_result({"rank": engine.rank, "engine": name, "run": "uninterrupted",
+                     "scale": opt.scale, "rows": rows[CHECKPOINT_AFTER:], "weights": weights(model)})
+    if resume:
+        model, wrapped, opt = engine.build("adascale", RESUME_K)
+        saved = torch.load(resume, weights_only=False)
+        model.load_state_dict(saved["model"])  # on every rank, then the optimizer's record
+        opt.load_state_dict(saved["opt"])
+        rows = []
+        for step in range(CHECKPOINT_AFTER, STEPS):
+            engine.step(wrapped, opt, step, RESUME_K)
+            rows.append(row(opt))
+        emit_result({"rank": engine.rank, "engine": name, "run": "resumed", "scale": opt.scale,
+                     "rows": rows, "weights": weights(model)})
+
+
+def run_reference():
+    """One process, no engine: each step's W x k micro-gradients one after the other, their
+    statistics handed to the policy (``Policy.transition``), SGD by hand with lr x factor."""
+    from hvd_scale.spec import make_policy
+
+    for policy_spec in POLICIES:
+        if policy_spec == "adascale_adam":
+            continue  # Adam's moment horizons: compared between the engines only
+        for k in (1, 4):
+            model = new_model()
+            params = list(model.parameters())
+            policy = make_policy(policy_spec, budget=BUDGET, optimizer="SGD")
+            state, scale, rows = policy.init(), float(WORKERS * k), []
+            for step in range(STEPS):
+                micro = []
+                for rank in range(WORKERS):
+                    for j in range(k):
+                        grads = torch.autograd.grad(loss_of(model, rank, step, j), params)
+                        micro.append(torch.cat([g.reshape(-1) for g in grads]))
+                micro = torch.stack(micro)
+                mean = micro.mean(0)
+                sqsum = float(micro.square().sum())
+                measured = policy.uses_statistics  # the adapters' default: measure where needed
+                state, info = policy.transition(
+                    state, sqsum if measured else None,
+                    float(mean.square().sum()) if measured else None, len(micro), scale=scale)
+                with torch.no_grad():
+                    at = 0
+                    for p in params:
+                        p -= LR * info.lr_factor * mean[at:at + p.numel()].view_as(p)
+                        at += p.numel()
+                estimator = policy.estimator(state, scale)
+                rows.append({"gain": policy.gain(state, scale), "lr_factor": info.lr_factor,
+                             "progress": state.progress, "sigma2": estimator.sigma2,
+                             "mu2": estimator.mu2, "steps": state.steps})
+            emit_result({"rank": 0, "engine": "reference", "run": f"{policy_spec}/k={k}",
+                         "scale": scale, "rows": rows, "weights": weights(model)})
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=["horovod", "ddp", "reference"], required=True)
+    parser.add_argument("--save", help="folder: save a checkpoint after step 3 there")
+    parser.add_argument("--resume", help="a checkpoint to resume from (the other engine's)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.engine == "reference":
+        run_reference()
+    else:
+        run_engine(args.engine, args.save, args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
