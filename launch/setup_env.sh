@@ -21,7 +21,7 @@ PYTHON="${PYTHON:-python3.11}"
 TORCH_VERSION=2.13.0            # the CPU wheel on this machine's disk; never a CUDA build
 TENSORFLOW_SPEC='tensorflow-cpu==2.21.*'
 # The extras the tests, benchmarks and examples use (`mpi` is left out: mpi4py is built below).
-EXTRAS=torch,tensorflow,metrics,plot,ray,spark,bleu,docs,dev
+EXTRAS=torch,tensorflow,metrics,plot,ray,spark,bleu,docs,lightning,accelerate,dev
 
 log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 start=$(date +%s)
