@@ -275,7 +275,7 @@ def _conformance(result):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("adapter", ["toy", "torch", "keras/tensorflow", "keras/torch"])
+@pytest.mark.parametrize("adapter", ["toy", "torch", "torch/ddp", "keras/tensorflow", "keras/torch"])
 def test_every_adapter_implements_the_protocol(adapter):
     """Issue #23, 1: one step driver (core.run_step) for every adapter, one signature per hook."""
     import importlib.util
@@ -300,7 +300,11 @@ def test_every_adapter_implements_the_protocol(adapter):
         _conformance(module.check(opt, micro_step, lambda: opt.w.copy()))
         return
     framework, _, backend = adapter.partition("/")
-    env = {**os.environ, "KERAS_BACKEND": backend or "torch", "OMP_NUM_THREADS": "1"}
+    if adapter == "torch/ddp":
+        framework, backend = adapter, None
+    from hvdrun import free_port
+    env = {**os.environ, "KERAS_BACKEND": backend or "torch", "OMP_NUM_THREADS": "1",
+           "MASTER_PORT": str(free_port())}
     out = subprocess.run([sys.executable, str(worker), framework], capture_output=True, text=True,
                          timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -3,7 +3,8 @@
 The bugs this matrix is for lived where two features meet, each passing its own tests. One
 harness (tests/workers/transitions_worker.py) runs the cells
 
-    {torch, Keras on TensorFlow, Keras on torch} x {fit, a custom loop (where both exist)}
+    {torch (Horovod), torch (DDP, torchrun), Keras on TensorFlow, Keras on torch}
+    x {fit, a custom loop (where both exist)}
     x {steady, adapt changing k, set_passes by hand, a checkpoint saved and resumed through
        broadcast_state (with k fixed, and with k adapted before it: rank 0 loads k = 4, the
        others start at 2), a resume at another world size, a short step, hvd.join, a
@@ -36,11 +37,11 @@ import sys
 
 import pytest
 
-from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_results
+from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, run_torchrun, worker_results
 
 WORKER = WORKERS_DIR / "transitions_worker.py"
-FRAMEWORKS = {"torch": ("torch", None), "keras/tensorflow": ("keras", "tensorflow"),
-              "keras/torch": ("keras", "torch")}
+FRAMEWORKS = {"torch": ("torch", None), "torch/ddp": ("ddp", None),
+              "keras/tensorflow": ("keras", "tensorflow"), "keras/torch": ("keras", "torch")}
 # What each framework runs, within CI's time (a Keras cell costs ~2 s, its model traced anew):
 # the loops; the one-process (np 1) cells beside the reference (itself one process); whether the
 # resume at another world size runs (Keras's record travels the same on both backends); the
@@ -48,6 +49,9 @@ FRAMEWORKS = {"torch": ("torch", None), "keras/tensorflow": ("keras", "tensorflo
 # for warmup there, whose ramp is the engine's, tested with torch and in tests/test_policies.py).
 RUNS = {"torch": {"loops": "custom", "alone": None, "resume": True, "custom": None,
                   "policies": "none,warmup,adascale,adascale_adam"},
+        # torch under torchrun (DDP): the torch cells, a rank's passes but its last under no_sync.
+        "torch/ddp": {"loops": "custom", "alone": None, "resume": True, "custom": None,
+                      "policies": "none,warmup,adascale,adascale_adam"},
         # The custom loop's own paths: eager apply calls, adapt_passes by hand, a checkpoint of
         # an adapted k, a non-finite step outside fit; the rest are fit's code.
         "keras/tensorflow": {"loops": "fit,custom", "alone": "steady,set_passes,adapt",
@@ -95,7 +99,12 @@ def matrix(request, tmp_path_factory):
     base = [sys.executable, str(WORKER), "--framework", framework, "--loops", runs["loops"],
             "--policies", runs["policies"],
             *(["--custom-cells", runs["custom"]] if runs["custom"] else [])]
-    both = _by_cell(worker_results(run_horovod(base, np=2, timeout=900, env=_env(backend))))
+    def job(args, timeout):  # two workers: Horovod's, or torchrun's for DDP
+        if framework == "ddp":
+            return run_torchrun(args[1:], nproc=2, timeout=timeout, env=_env(backend))
+        return run_horovod(args, np=2, timeout=timeout, env=_env(backend))
+
+    both = _by_cell(worker_results(job(base, 900)))
     alone = _by_cell(_one_process(framework, backend, *base[4:],
                                   *(["--cells", runs["alone"]] if runs["alone"] else [])))
     reference = _by_cell(_one_process(framework, backend, *base[4:], "--simulate", "2"))
@@ -103,9 +112,8 @@ def matrix(request, tmp_path_factory):
     if runs["resume"]:
         # A resume at another world size: saved by an np 2 job after step 3, resumed by one
         # process taking both ranks' micro-batches (k doubled: the same S).
-        first = _by_cell(worker_results(run_horovod(
-            base + ["--cells", "resume", "--save", str(tmp), "--stop-after", "3"], np=2,
-            timeout=600, env=_env(backend))))
+        first = _by_cell(worker_results(job(
+            base + ["--cells", "resume", "--save", str(tmp), "--stop-after", "3"], 600)))
         second = _by_cell(_one_process(framework, backend, *base[4:], "--cells", "resume",
                                        "--simulate", "2", "--load", str(tmp),
                                        "--start-step", "4"))

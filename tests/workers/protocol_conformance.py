@@ -1,10 +1,12 @@
 """One process (Horovod of size 1): build an adapter's optimizer, check it against
 ``adapters/protocol.FrameworkOptimizer`` and take two steps of two micro-batches, recording the
-hooks ``core.run_step`` calls. Prints one JSON line. Usage: protocol_conformance.py torch|keras
-(Keras runs on the backend $KERAS_BACKEND names)."""
+hooks ``core.run_step`` calls. Prints one JSON line. Usage: protocol_conformance.py
+torch|torch/ddp|keras (Keras runs on the backend $KERAS_BACKEND names; torch/ddp: a
+torch.distributed group of one process)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 
@@ -64,6 +66,34 @@ def torch_case() -> dict:
     return check(opt, micro_step, lambda: torch.cat([p.detach().flatten() for p in model.parameters()]).numpy())
 
 
+def ddp_case() -> dict:
+    """torch under torch.distributed: a group of one process, the model in DDP."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hvd_scale.adapters.torch.ddp import DistributedOptimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model,
+                               policy="adascale_adam", backward_passes_per_step=2)
+
+    def micro_step(i):
+        x, y = (torch.from_numpy(a) for a in data(i))
+        with model.no_sync() if i % 2 == 0 else contextlib.nullcontext():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+    return check(opt, micro_step, lambda: torch.cat([p.detach().flatten() for p in model.parameters()]).numpy())
+
+
 def keras_case() -> dict:
     import keras
 
@@ -97,5 +127,5 @@ def keras_case() -> dict:
 
 
 if __name__ == "__main__":
-    out = {"torch": torch_case, "keras": keras_case}[sys.argv[1]]()
+    out = {"torch": torch_case, "torch/ddp": ddp_case, "keras": keras_case}[sys.argv[1]]()
     print_result(out)

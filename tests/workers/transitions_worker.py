@@ -37,6 +37,8 @@ CANNOT = {
                         "refuses unequal shards, hvd_scale.adapters.keras.callbacks)",
     ("keras", "join"): "hvd.join is a torch path (uneven data); Keras's fit refuses unequal "
                        "shards before the first step",
+    ("ddp", "join"): "hvd.join is Horovod's; DDP's uneven inputs (torch.distributed's Join "
+                     "context) are tests/test_ddp_options.py's",
 }
 
 
@@ -101,11 +103,21 @@ def row(ranks, opt, k, change, step):
 
 # -- torch -------------------------------------------------------------------------------------
 
-def torch_cell(ranks, change, spec, measured, args):
-    import horovod.torch as hvd
+def torch_cell(ranks, change, spec, measured, args, engine="horovod"):
+    """torch under Horovod, or under torch.distributed (``engine="ddp"``: the model in
+    DistributedDataParallel, a rank's passes but its last under ``no_sync()``)."""
+    import contextlib
+
     import torch
 
-    from hvd_scale.adapters.torch import DistributedOptimizer, broadcast_state
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hvd_scale.adapters.torch.ddp import DistributedOptimizer, broadcast_state
+    else:
+        import horovod.torch as hvd
+
+        from hvd_scale.adapters.torch import DistributedOptimizer, broadcast_state
 
     mult = ranks.workers if ranks.simulate else args.passes_factor
 
@@ -113,29 +125,35 @@ def torch_cell(ranks, change, spec, measured, args):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(),
                                     torch.nn.Linear(3, 1)).double()
+        wrapped = DistributedDataParallel(model) if engine == "ddp" else model
         inner = (torch.optim.Adam(model.parameters(), lr=LR * 0.1) if spec.startswith("adascale_adam")
                  else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
         # torch's set_passes needs no adapt where k starts >= 2
         adapt = change in ("adapt", "adapt_checkpoint")
-        opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(), policy=spec,
+        where = {"model": wrapped} if engine == "ddp" else \
+            {"named_parameters": model.named_parameters()}
+        opt = DistributedOptimizer(inner, **where, policy=spec,
                                    backward_passes_per_step=k_schedule(change, 1) * mult,
                                    measure=measured,
                                    adapt="goodput" if adapt else None,
                                    max_passes=4 * mult if adapt else None,
                                    adapt_every=10 ** 6 if change == "set_passes" else 2)
-        return model, opt
+        return model, wrapped, opt
 
     def weights(model):
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
-    model, opt = build()
+    def quiet(i, indices):  # DDP's accumulation: every pass of the rank's step but its last
+        return wrapped.no_sync() if engine == "ddp" and i != indices[-1] else contextlib.nullcontext()
+
+    model, wrapped, opt = build()
     if args.load:
         path = checkpoint_path(args.load, "custom", spec, measured, "pt")
         state = torch.load(path, weights_only=False) if ranks.hvd.rank() == 0 else None
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
-    broadcast_state(model, opt)
+    broadcast_state(wrapped, opt)
     first = args.start_step
     rows = []
     for step in range(first, STEPS + 1):
@@ -146,7 +164,9 @@ def torch_cell(ranks, change, spec, measured, args):
         opt.zero_grad()
         for i in indices:
             x, y = micro(step, i, poisoned(change, step, i, ranks.workers, k))
-            torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+            with quiet(i, indices):
+                torch.nn.functional.mse_loss(wrapped(torch.from_numpy(x)),
+                                             torch.from_numpy(y)).backward()
         opt.step()
         rows.append(row(ranks, opt, opt.backward_passes_per_step, change, step))
         if change == "set_passes" and step in (2, 4):
@@ -156,11 +176,11 @@ def torch_cell(ranks, change, spec, measured, args):
                      "opt": opt.state_dict()}
             # A new job (at the k it starts with): rank 0 loads, then broadcast_state gives
             # every rank the whole record, k included (#47 item 2).
-            model, opt = build()
+            model, wrapped, opt = build()
             if ranks.hvd.rank() == 0:
                 model.load_state_dict(saved["model"])
                 opt.load_state_dict(saved["opt"])
-            broadcast_state(model, opt)
+            broadcast_state(wrapped, opt)
         if args.save and step == args.stop_after:
             if ranks.hvd.rank() == 0:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
@@ -319,6 +339,39 @@ def checkpoint_path(folder, loop, spec, measured, suffix):
 
 # -- the cells -------------------------------------------------------------------------------------
 
+class DistributedRanks:
+    """torch.distributed with the few calls of Horovod's module this script makes (init, rank,
+    size, allgather_object); without torchrun's environment, a group of one process."""
+
+    def init(self):
+        import torch.distributed as dist
+
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        dist.init_process_group("gloo")
+        self._dist = dist
+
+    def rank(self):
+        return self._dist.get_rank()
+
+    def size(self):
+        return self._dist.get_world_size()
+
+    def allgather_object(self, obj, name=None):
+        out = [None] * self.size()
+        self._dist.all_gather_object(out, obj)
+        return out
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def scripted_adapt(mult):
     """adapt="goodput" with a scripted choice (rank 0's; broadcast as usual): k doubles after
     step 2, so that the cells are deterministic (the real choice follows timings)."""
@@ -331,7 +384,7 @@ def scripted_adapt(mult):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--framework", choices=("torch", "keras"), required=True)
+    parser.add_argument("--framework", choices=("torch", "keras", "ddp"), required=True)
     parser.add_argument("--simulate", type=int, default=None)
     parser.add_argument("--cells", default=",".join(CHANGES))
     parser.add_argument("--policies", default=",".join(POLICIES))
@@ -346,6 +399,9 @@ def main():
     args = parser.parse_args()
     if args.framework == "torch":
         import horovod.torch as hvd
+        loops = ["custom"]
+    elif args.framework == "ddp":
+        hvd = DistributedRanks()  # torchrun's environment, or one process on its own
         loops = ["custom"]
     else:
         from hvd_scale.adapters.keras import hvd
@@ -371,8 +427,9 @@ def main():
                         emit_result(rank=hvd.rank(), cell=cell, status="cannot", why=why)
                         continue
                     try:
-                        if args.framework == "torch":
-                            out = torch_cell(ranks, change, POLICIES[name], measured, args)
+                        if args.framework in ("torch", "ddp"):
+                            out = torch_cell(ranks, change, POLICIES[name], measured, args,
+                                             engine="ddp" if args.framework == "ddp" else "horovod")
                         else:
                             out = keras_cell(ranks, loop, change, POLICIES[name], measured, args)
                         status = {"status": "ok", **out}
