@@ -1,0 +1,150 @@
+"""A Lightning Trainer with hvd_scale: its DDPStrategy wraps the LightningModule's optimizer in
+hvd_scale's DDP DistributedOptimizer (hvd_scale.adapters.torch.lightning).
+
+    torchrun --nproc-per-node 2 examples/ddp_lightning.py --policy adascale --accumulate 4
+    python examples/ddp_lightning.py --policy adascale     # Lightning starts the 2 processes
+
+Automatic optimization: configure_optimizers returns a plain SGD, Lightning steps it; the
+policy's lr factor is applied at each step (the lr the SGD sees is printed, from a step pre-hook
+on it). ``--compare`` then trains the same model on the same micro-batches in a plain DDP loop
+with hvd_scale's DDP optimizer (the loop of docs/ddp.md), and each rank prints one
+``RESULT {json}`` line per run, with per-step gain, lr factor, lr seen, tau, sigma2, mu2 and the
+weights after (tests/test_ddp_lightning.py compares them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from hvd_scale.adapters.torch.lightning import DDPStrategy
+
+BATCH = 16
+LR = 0.05
+
+
+def dataset(samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 8, dtype=torch.float64, generator=g)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()  # 3 classes, learnable
+    flip = torch.rand(samples, generator=g) < 0.2             # with noise: sigma2 > 0
+    return TensorDataset(x, torch.where(flip, torch.randint(0, 3, (samples,), generator=g), y))
+
+
+def network() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3)).double()
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = network()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)  # the micro-batch's mean loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def record(opt, seen: list, rows: list) -> None:
+    rows.append({"gain": opt.gain, "lr_factor": opt.lr_factor, "lr": seen[-1],
+                 "progress": opt.progress, "sigma2": opt.sigma2, "mu2": opt.mu2,
+                 "steps": opt.steps})
+
+
+class Rows(pl.Callback):
+    """After each optimizer step: what the policy did, and the lr the SGD saw."""
+
+    def __init__(self):
+        self.rows, self.seen, self.steps = [], [], 0
+
+    def on_fit_start(self, trainer, module):
+        inner = trainer.optimizers[0]._inner  # the SGD of configure_optimizers
+        inner.register_step_pre_hook(lambda o, args, kw: self.seen.append(o.param_groups[0]["lr"]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step > self.steps:  # an optimizer step was taken
+            self.steps = trainer.global_step
+            record(trainer.optimizers[0], self.seen, self.rows)
+
+
+def lightning_run(args, loader):
+    rows = Rows()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(policy=args.policy),
+                         accumulate_grad_batches=args.accumulate, max_epochs=1,
+                         callbacks=[rows], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    module = Classifier()
+    trainer.fit(module, loader)
+    opt = trainer.optimizers[0]
+    if trainer.global_rank == 0:
+        print(f"lightning: {opt.policy.spec} at S = {opt.scale:g}: {opt.steps} steps, tau "
+              f"{opt.progress:.2f}, gain {opt.gain:.3f}, lr {rows.seen[-1]:.4f}", flush=True)
+    return module.net, rows.rows, opt.scale
+
+
+def plain_run(args, samples):
+    """The same training in a plain DDP loop (torch.distributed is up: Lightning started it)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hvd_scale.adapters.torch.ddp import DistributedOptimizer
+
+    k = args.accumulate
+    model = DistributedDataParallel(network())
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    seen, rows = [], []
+    sgd.register_step_pre_hook(lambda o, a, kw: seen.append(o.param_groups[0]["lr"]))
+    opt = DistributedOptimizer(sgd, model, args.policy, backward_passes_per_step=k)
+    data = dataset(samples)  # the sampler Lightning puts in a training loader (epoch 0)
+    loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=True, seed=0))
+    batches = list(loader)
+    for start in range(0, len(batches), k):
+        step = batches[start:start + k]
+        for i, (x, y) in enumerate(step):
+            with model.no_sync() if i < len(step) - 1 else contextlib.nullcontext():
+                F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        record(opt, seen, rows)
+    return model.module, rows
+
+
+def weights(net) -> list[float]:
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--policy", default="adascale")
+    p.add_argument("--accumulate", default="1", help="accumulate_grad_batches (k); a list "
+                   "(1,2): one fit after the other")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--compare", action="store_true", help="also the plain DDP loop; RESULT lines")
+    args = p.parse_args()
+    for k in map(int, args.accumulate.split(",")):
+        args.accumulate = k
+        samples = 2 * BATCH * k * args.steps
+        loader = DataLoader(dataset(samples), batch_size=BATCH)  # Lightning adds the sampler
+        net, rows, scale = lightning_run(args, loader)
+        if not args.compare:
+            continue
+        plain_net, plain_rows = plain_run(args, samples)
+        for run, n, r in (("lightning", net, rows), ("plain", plain_net, plain_rows)):
+            print("RESULT " + json.dumps({"rank": dist.get_rank(), "run": run, "k": k,
+                                          "scale": scale, "rows": r, "weights": weights(n)}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
