@@ -1,8 +1,11 @@
-"""``hvd-scale``: run a training script under horovodrun (or on Ray or Spark) with a policy, list
+"""``hvd-scale``: run a training script under horovodrun (or on Ray or Spark, or a DDP script under
+torchrun) with a policy, list
 the policies, check the environment, plot runs and advise on a run's configuration.
 
     hvd-scale run -np 2 --policy adascale --log-dir runs/ada -- python train.py --budget 3000
     hvd-scale run --engine ray -np 2 --policy adascale -- python train.py --budget 3000
+    hvd-scale run --engine torchrun -np 2 --policy adascale -- python ddp_train.py --budget 3000
+    hvd-scale run --policy adascale -- torchrun --nproc-per-node 2 ddp_train.py   # as given
     hvd-scale policies
     hvd-scale check
     hvd-scale plot runs/ada runs/linear -o compare.png
@@ -13,7 +16,8 @@ by goodput: its measured gain over its measured step time.
 
 ``run`` validates the policy spec before anything starts, then hands it (and the log directory) to
 every worker through ``HVD_SCALE_POLICY`` and ``HVD_SCALE_LOG_DIR``, which the adapters read. The
-engines (horovodrun, ray, spark) and their protocol live in launch/engines.py.
+engines (horovodrun, ray, spark, torchrun) and their protocol live in launch/engines.py. A command
+that is a torchrun command line itself runs under the torchrun engine, as it is.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import sys
 from typing import Sequence
 
 from hvd_scale.adapters.log import check_every
-from hvd_scale.launch import engines
+from hvd_scale.launch import engines, jobs
 from hvd_scale.spec import describe_policies, parse_spec
 
-DESCRIPTION = ("Run a training script under horovodrun, Ray or Spark with a learning-rate scaling "
+DESCRIPTION = ("Run a training script under horovodrun, Ray, Spark or torchrun with a "
+               "learning-rate scaling "
                "policy, list the policies, check the environment, plot runs, and advise on a "
                "run's workers, passes and micro-batch.")
 # A repository checkout sets up with make; an environment of its own (`pip install .`, README's
@@ -46,9 +51,27 @@ ENGINE_OPTIONS = {
     "--gloo/--mpi": ("controller", ("horovodrun",)),
     "--ray-address": ("ray_address", ("ray",)),
     "--spark-master": ("spark_master", ("spark",)),
-    "--min-np": ("min_np", ("horovodrun", "ray")),
-    "--max-np": ("max_np", ("horovodrun", "ray")),
+    "--min-np": ("min_np", ("horovodrun", "ray", "torchrun")),
+    "--max-np": ("max_np", ("horovodrun", "ray", "torchrun")),
+    "--nnodes": ("nnodes", ("torchrun",)),
+    "--node-rank": ("node_rank", ("torchrun",)),
+    "--rdzv-endpoint": ("rdzv_endpoint", ("torchrun",)),
+    "--rdzv-id": ("rdzv_id", ("torchrun",)),
+    "--max-restarts": ("max_restarts", ("torchrun",)),
 }
+# Engines that take options of their own (those hvd-scale does not know), before `--`.
+OWN_OPTIONS = ("horovodrun", "torchrun")
+# What hvd-scale's options set on torchrun's command line: given among torchrun's own options
+# they would contradict it.
+TORCHRUN_MAPPED = {"--nproc-per-node": "-np", "--nproc_per_node": "-np",
+                   "--nnodes": "--nnodes or --min-np/--max-np", "--standalone": None,
+                   "--rdzv-backend": "--rdzv-endpoint", "--rdzv_backend": "--rdzv-endpoint",
+                   "--rdzv_endpoint": "--rdzv-endpoint", "--rdzv_id": "--rdzv-id",
+                   "--node_rank": "--node-rank", "--max_restarts": "--max-restarts",
+                   "--master-addr": "--node-rank with --rdzv-endpoint",
+                   "--master_addr": "--node-rank with --rdzv-endpoint",
+                   "--master-port": "--node-rank with --rdzv-endpoint",
+                   "--master_port": "--node-rank with --rdzv-endpoint"}
 
 
 def _horovodrun() -> str | None:
@@ -60,18 +83,43 @@ def _usage_error(message: str) -> int:
     return 2
 
 
-def _check_engine_options(args: argparse.Namespace) -> str | None:
+def _torchrun_line_problem(args: argparse.Namespace) -> str | None:
+    """Why a command that is a torchrun command line cannot run with these options, or None."""
+    if args.engine != "torchrun":
+        return (f"the command is a torchrun command line: it runs under --engine torchrun (the "
+                f"default for it), not --engine {args.engine}")
+    given = [option for option, attr in (("-np", "np"), ("--min-np", "min_np"),
+                                         ("--max-np", "max_np"), ("--nnodes", "nnodes"),
+                                         ("--node-rank", "node_rank"),
+                                         ("--rdzv-endpoint", "rdzv_endpoint"),
+                                         ("--rdzv-id", "rdzv_id"),
+                                         ("--max-restarts", "max_restarts"))
+             if getattr(args, attr) is not None]
+    given += args.horovodrun_args
+    if given:
+        return (f"{' '.join(given)}: the torchrun command line sets the processes, nodes and "
+                "rendezvous itself; give them there (only --policy, --log-dir and --log-every "
+                "go with it)")
+    return None
+
+
+def _check_engine_options(args: argparse.Namespace, command: Sequence[str] = ()) -> str | None:
     """Why these options cannot go together, or None."""
+    if engines.is_torchrun_command(command):
+        return _torchrun_line_problem(args)
     for option, (attr, takers) in ENGINE_OPTIONS.items():
         if getattr(args, attr) is not None and args.engine not in takers:
             return (f"{option} is for --engine {' or '.join(takers)}, not --engine {args.engine}")
-    if args.horovodrun_args and args.engine != "horovodrun":
+    if args.horovodrun_args and args.engine not in OWN_OPTIONS:
         return (f"unrecognized arguments for --engine {args.engine}: "
-                f"{' '.join(args.horovodrun_args)} (only horovodrun takes options of its own)")
+                f"{' '.join(args.horovodrun_args)} (only horovodrun and torchrun take options "
+                "of their own)")
     if args.max_np is not None and args.min_np is None:
         return "--max-np needs --min-np (an elastic job's lower bound)"
     if args.min_np is not None and args.max_np is not None and args.min_np > args.max_np:
         return f"--min-np {args.min_np} is above --max-np {args.max_np}"
+    if args.engine == "torchrun":
+        return _torchrun_problem(args)
     if args.engine == "ray" and args.min_np is not None and args.np is not None:
         return ("-np does not go with --min-np/--max-np on --engine ray: the elastic job runs as "
                 "many workers as the cluster has slots for, from --min-np up to --max-np")
@@ -80,6 +128,43 @@ def _check_engine_options(args: argparse.Namespace) -> str | None:
         bounds = f"--min-np {args.min_np}" + (f" .. --max-np {args.max_np}" if args.max_np else "")
         return (f"-np {args.np} is outside {bounds}: an elastic job starts with -np workers "
                 "(default: --min-np)")
+    return None
+
+
+def _torchrun_problem(args: argparse.Namespace) -> str | None:
+    """Why torchrun cannot run with these options, or None."""
+    for word in args.horovodrun_args:
+        option = word.split("=", 1)[0]
+        if option in TORCHRUN_MAPPED:
+            instead = TORCHRUN_MAPPED[option]
+            return (f"{option} is set by hvd-scale run on --engine torchrun"
+                    + (f": give {instead} instead" if instead else " (one node by default)"))
+    if args.min_np is not None and args.max_np is None:
+        return ("--min-np needs --max-np on --engine torchrun: an elastic job is torchrun's "
+                "--nnodes MIN:MAX (nodes, each running -np processes)")
+    if args.min_np is not None and args.nnodes is not None:
+        return "--nnodes does not go with --min-np/--max-np (the elastic job's nodes)"
+    if args.min_np is not None and args.node_rank is not None:
+        return ("--node-rank is torchrun's static rendezvous, which cannot be elastic: leave it "
+                "out (the c10d rendezvous at --rdzv-endpoint ranks the nodes)")
+    if args.min_np is not None and args.rdzv_endpoint is None:
+        return ("an elastic torchrun job needs --rdzv-endpoint HOST:PORT, the c10d rendezvous "
+                "every node joins (e.g. 127.0.0.1:29400 for nodes on this machine)")
+    if args.node_rank is not None and (args.nnodes is None or args.rdzv_endpoint is None):
+        return ("--node-rank (torchrun's static rendezvous) needs --nnodes and --rdzv-endpoint "
+                "HOST[:PORT], node 0's address")
+    if args.node_rank is not None and args.node_rank >= args.nnodes:
+        return f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}"
+    if args.nnodes not in (None, 1) and args.rdzv_endpoint is None:
+        return (f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the c10d rendezvous "
+                "every node joins (one node's address)")
+    if args.rdzv_id is not None and args.rdzv_endpoint is None:
+        return "--rdzv-id names the c10d rendezvous at --rdzv-endpoint: give that too"
+    if args.rdzv_endpoint is not None:
+        try:
+            jobs.split_endpoint(args.rdzv_endpoint, jobs.C10D_PORT)
+        except ValueError as e:
+            return f"--rdzv-endpoint: {e}"
     return None
 
 
@@ -99,7 +184,9 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     except ValueError as e:
         print(f"hvd-scale run: {e}", file=sys.stderr)
         return 2
-    problem = _check_engine_options(args)
+    if args.engine is None:  # a torchrun command line runs under torchrun, all else horovodrun
+        args.engine = "torchrun" if engines.is_torchrun_command(command) else "horovodrun"
+    problem = _check_engine_options(args, command)
     if problem:
         return _usage_error(problem)
     if args.engine == "horovodrun":
@@ -111,6 +198,10 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
                        extra_args=args.horovodrun_args, executable=horovodrun)
     elif args.engine == "ray":
         options = dict(address=args.ray_address)
+    elif args.engine == "torchrun":
+        options = dict(nnodes=args.nnodes, node_rank=args.node_rank,
+                       rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                       max_restarts=args.max_restarts, extra_args=args.horovodrun_args)
     else:
         options = dict(master=args.spark_master)
     np_ = args.np if args.np is not None or args.min_np is not None else 1
@@ -238,20 +329,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="Run COMMAND on every worker with a policy.",
                          description="Run COMMAND on every worker, under horovodrun (the default), "
-                                     "on a Ray cluster or on Spark, with the policy and log "
+                                     "on a Ray cluster, on Spark or under torchrun (a DDP "
+                                     "script: hvd_scale.adapters.torch.ddp; a torchrun command "
+                                     "line as COMMAND runs as it is), with the policy and log "
                                      "directory handed to the adapters. A bare python or python3 "
                                      "as COMMAND's first word runs as the interpreter that runs "
                                      "hvd-scale (its venv, activated or not).",
-                         usage="hvd-scale run [-np N] [--engine {horovodrun,ray,spark}] "
+                         usage="hvd-scale run [-np N] [--engine {horovodrun,ray,spark,torchrun}] "
                                "[-H HOSTS] [--gloo|--mpi] [--policy SPEC] [--log-dir DIR] "
                                "[--log-every N] [--min-np N --max-np N] [--ray-address ADDR] "
-                               "[--spark-master URL] [horovodrun options] -- COMMAND...")
+                               "[--spark-master URL] [--nnodes N] [--node-rank R] "
+                               "[--rdzv-endpoint HOST:PORT] [--rdzv-id ID] [--max-restarts N] "
+                               "[horovodrun or torchrun options] -- COMMAND...")
     run.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
                      help="Worker processes (default 1; an elastic horovodrun job, with "
-                          "--min-np, starts with --min-np workers unless -np says otherwise).")
-    run.add_argument("--engine", choices=sorted(engines.ENGINES), default="horovodrun",
+                          "--min-np, starts with --min-np workers unless -np says otherwise; "
+                          "under torchrun, the processes per node, its --nproc-per-node).")
+    run.add_argument("--engine", choices=sorted(engines.ENGINES), default=None,
                      help="What starts the workers: horovodrun (the default), a Ray cluster "
-                          "(horovod.ray) or Spark (horovod.spark).")
+                          "(horovod.ray), Spark (horovod.spark) or torchrun (torch.distributed, "
+                          "for DDP scripts; the default when COMMAND is a torchrun command "
+                          "line).")
     run.add_argument("-H", "--hosts", default=None,
                      help="Hosts as horovodrun takes them (default localhost:N).")
     group = run.add_mutually_exclusive_group()
@@ -267,14 +365,30 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Write every N-th step's metrics row (default: every step up to 1,000, "
                           "every 10th up to 10,000, every 100th after; the last step always).")
     run.add_argument("--min-np", type=int, default=None,
-                     help="Elastic: the fewest workers the job runs with (horovodrun, ray).")
+                     help="Elastic: the fewest workers the job runs with (horovodrun, ray; "
+                          "torchrun: the fewest nodes, its --nnodes MIN:MAX).")
     run.add_argument("--max-np", type=int, default=None,
-                     help="Elastic: the most workers the job grows to (horovodrun, ray).")
+                     help="Elastic: the most workers the job grows to (horovodrun, ray; "
+                          "torchrun: the most nodes).")
     run.add_argument("--ray-address", default=None,
                      help="The Ray cluster to join, for example ray://head:10001 or auto "
                           "(default: a local cluster started for the job).")
     run.add_argument("--spark-master", default=None,
                      help="The Spark master, for example spark://head:7077 (default local[N]).")
+    run.add_argument("--nnodes", type=int, default=None,
+                     help="Torchrun: the nodes of a fixed-size job (default 1); run the same "
+                          "command on every node.")
+    run.add_argument("--node-rank", type=int, default=None,
+                     help="Torchrun: this node's rank, for torchrun's static rendezvous (with "
+                          "--nnodes, and --rdzv-endpoint naming node 0).")
+    run.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                     help="Torchrun: the c10d rendezvous every node joins, on one node's "
+                          "address (default: one node, on 127.0.0.1).")
+    run.add_argument("--rdzv-id", default=None,
+                     help="Torchrun: the job's rendezvous id, the same on every node.")
+    run.add_argument("--max-restarts", type=int, default=None,
+                     help="Torchrun: how often the workers restart after a failure (default 0; "
+                          "3 for an elastic job).")
 
     sub.add_parser("policies", help="List the policies and their options.")
     sub.add_parser("check", help="Show Horovod's build, the frameworks and the slots.")
@@ -341,13 +455,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, command = argv[:i], argv[i + 1:]
     parser = build_parser()
     if argv and argv[0] == "run":
-        # Unknown options before `--` are horovodrun's own (e.g. --timeline-filename f.json).
+        # Unknown options before `--` are horovodrun's own (e.g. --timeline-filename f.json), or
+        # torchrun's (--rdzv-conf ..., --tee 3).
         args, extra = parser.parse_known_args(argv)
         args.horovodrun_args = extra
         for option, value in (("-np", args.np), ("--min-np", args.min_np),
-                              ("--max-np", args.max_np)):
+                              ("--max-np", args.max_np), ("--nnodes", args.nnodes)):
             if value is not None and value < 1:
                 parser.error(f"{option} must be >= 1, got {value}")
+        for option, value in (("--node-rank", args.node_rank),
+                              ("--max-restarts", args.max_restarts)):
+            if value is not None and value < 0:
+                parser.error(f"{option} must be >= 0, got {value}")
         return cmd_run(args, command)
     args = parser.parse_args(argv)
     if command:

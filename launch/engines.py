@@ -1,4 +1,5 @@
-"""Launch engines: how ``hvd-scale run`` and ``engines.run`` start the Horovod workers.
+"""Launch engines: how ``hvd-scale run`` and ``engines.run`` start the workers (Horovod's, or
+torch.distributed's under torchrun).
 
 An engine runs N workers of an unchanged training command, or of a Python function, with the
 environment hvd_scale hands to workers (``HVD_SCALE_POLICY``, ``HVD_SCALE_LOG_DIR`` and
@@ -15,10 +16,13 @@ only the four hooks of ``Engine``; it knows nothing else of horovodrun, Ray or S
     results = engines.run(train, args=(cfg,), np=2, engine="ray", policy="adascale")
     code = engines.run_command(["python", "train.py"], np=2, engine="spark", master="local[2]")
 
-Three engines: ``horovodrun`` (the command under horovodrun, as ``hvd-scale run`` always did),
+Four engines: ``horovodrun`` (the command under horovodrun, as ``hvd-scale run`` always did),
 ``ray`` (``horovod.ray.RayExecutor``: on the cluster at ``address``, else on a local one the engine
-starts and stops; elastic with ``min_np``/``max_np``) and ``spark`` (``horovod.spark.run`` on a
-SparkSession, ``local[N]`` unless ``master`` says otherwise). Ray and Spark run a command through
+starts and stops; elastic with ``min_np``/``max_np``), ``spark`` (``horovod.spark.run`` on a
+SparkSession, ``local[N]`` unless ``master`` says otherwise), and ``torchrun`` for
+torch.distributed (DDP) scripts, without Horovod (``TorchrunEngine``: ``--nproc-per-node N``, one
+node on 127.0.0.1 by default, several through a c10d rendezvous, elastic as ``--nnodes MIN:MAX``;
+a torchrun command line given as the command runs as it is). Ray and Spark run a command through
 ``command_worker``: each worker starts it as a child process with its own environment (where
 horovod.ray and horovod.spark put the Gloo rendezvous: ``HOROVOD_RANK``, ``HOROVOD_SIZE``,
 ``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``, ``HOROVOD_GLOO_IFACE``, ...) plus ``Job.env``, and
@@ -42,7 +46,9 @@ import time
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from hvd_scale.launch.jobs import (CPU_ENV_DEFAULTS, GPU_ENV_DEFAULTS,  # noqa: F401
-                                   find_horovodrun, horovodrun_command, start_np)
+                                   ELASTIC_MAX_RESTARTS, LOCAL_ADDR, find_horovodrun, find_torchrun,
+                                   horovodrun_command, is_torchrun_command, start_np,
+                                   torchrun_command)
 from hvd_scale.adapters.log import check_every
 from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
 from hvd_scale.spec import POLICY_ENV, parse_spec
@@ -60,6 +66,7 @@ SETUP_HINT = "run `make setup` (or `bash launch/setup_env.sh`) in the hvd_scale 
 INSTALL_HINTS = {
     "ray": "pip install 'hvd-scale[ray]'",
     "spark": "pip install 'hvd-scale[spark]' (and Java 17)",
+    "torchrun": "pip install 'hvd-scale[torch]' (torchrun comes with torch)",
 }
 # A local Ray cluster's object store: Ray's default is 30% of the memory, far more than per-rank
 # results (or a command's output) need; 256 MiB keeps a small machine's memory for the workers.
@@ -771,8 +778,128 @@ class SparkEngine:
                 self._temp_dir = None
 
 
+# ----------------------------------------------------------------------------------------------
+# torchrun
+
+class TorchrunEngine:
+    """The command under ``torchrun`` (torch.distributed's elastic launcher), for scripts that
+    wrap a ``DistributedDataParallel`` model in ``hvd_scale.adapters.torch.ddp``'s optimizer. No
+    Horovod is needed: torchrun sets each rank's RANK, WORLD_SIZE, MASTER_ADDR/PORT, and the
+    workers get Job.env (HVD_SCALE_POLICY, HVD_SCALE_LOG_DIR, the CPU/GPU defaults) as under the
+    Horovod engines.
+
+    job.np is the processes per node (torchrun's ``--nproc-per-node``); an elastic job's
+    min_np/max_np count nodes (``--nnodes MIN:MAX``, each node running np processes). One node
+    by default: ``--standalone`` on 127.0.0.1, Gloo on the loopback (GLOO_SOCKET_IFNAME=lo
+    unless set). Several: run the same command on every node, with ``nnodes`` and the c10d
+    ``rdzv_endpoint`` HOST:PORT (a node's address; ``node_rank`` too for torchrun's static
+    rendezvous, the endpoint then being node 0's). ``max_restarts``: torchrun's (elastic default
+    ``jobs.ELASTIC_MAX_RESTARTS``). extra_args: other torchrun options (``--rdzv-conf``,
+    ``--tee``, ``--local-addr``...). A command that is a torchrun command line itself
+    (``torchrun --nproc-per-node 2 train.py``) runs as given, with Job.env. Stop signals:
+    ``run_stoppable`` (torchrun passes the signal on to its workers).
+    """
+
+    name = "torchrun"
+
+    def __init__(self, nnodes: int | None = None, node_rank: int | None = None,
+                 rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                 max_restarts: int | None = None, extra_args: Sequence[str] = (),
+                 executable: Sequence[str] | str | None = None):
+        self.nnodes, self.node_rank = nnodes, node_rank
+        self.rdzv_endpoint, self.rdzv_id, self.max_restarts = rdzv_endpoint, rdzv_id, max_restarts
+        self.extra_args = [str(a) for a in extra_args]
+        self.executable = executable
+
+    def start(self, job: Job) -> None:
+        if job.elastic and job.max_np is None:
+            raise ValueError("an elastic torchrun job needs max_np (torchrun's --nnodes MIN:MAX "
+                             "counts nodes)")
+        self.command_line(["python", "train.py"], job)  # ValueError: what torchrun cannot run
+        try:
+            import torch.distributed.run  # noqa: F401
+        except ImportError as e:
+            raise EngineUnavailable(f"the torchrun engine needs torch ({e}): "
+                                    f"{INSTALL_HINTS['torchrun']}") from None
+        self.executable = self.executable or find_torchrun()
+        if self.executable is None:
+            raise EngineUnavailable(f"torchrun not found: {INSTALL_HINTS['torchrun']}")
+
+    @property
+    def one_node(self) -> bool:
+        return self.rdzv_endpoint is None and self.nnodes in (None, 1)
+
+    def command_line(self, command: Sequence[str], job: Job) -> list[str]:
+        command = [str(c) for c in command]
+        if is_torchrun_command(command):  # the user's own torchrun line: as given
+            if command[0] == "torchrun":  # a bare torchrun: this Python's, as a bare python
+                command = list(self.executable or find_torchrun() or ["torchrun"]) + command[1:]
+            return resolve_python(command)
+        return torchrun_command(command, job.np, nnodes=self.nnodes,
+                                min_nodes=job.min_np, max_nodes=job.max_np,
+                                node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
+                                rdzv_id=self.rdzv_id, max_restarts=self.max_restarts,
+                                extra_args=self.extra_args, executable=self.executable)
+
+    def environment(self, job: Job, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The driver's environment with Job.env on top; a one-node job's Gloo on the loopback."""
+        env = dict(os.environ if environ is None else environ)
+        env.update(job.env)
+        if self.one_node and "GLOO_SOCKET_IFNAME" not in env and _has_interface("lo"):
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        return env
+
+    def run_command(self, command: Sequence[str], job: Job) -> int:
+        return run_stoppable(self.command_line(command, job), env=self.environment(job))
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], job: Job) -> list[Any]:
+        """fn(*args) in each of this node's processes (torch's ``elastic_launch``, spawned: fn
+        must be importable); this node's results in local-rank order (all of them on one node)."""
+        import uuid
+
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        endpoint, backend, configs = f"{LOCAL_ADDR}:0", "c10d", {}
+        local_addr = LOCAL_ADDR if self.one_node else None
+        if not self.one_node:
+            endpoint = self.rdzv_endpoint
+            if self.node_rank is not None:
+                backend, configs = "static", {"rank": self.node_rank}
+        nodes = (job.min_np, job.max_np) if job.elastic else (self.nnodes or 1,) * 2
+        restarts = self.max_restarts if self.max_restarts is not None else \
+            (ELASTIC_MAX_RESTARTS if job.elastic else 0)
+        config = LaunchConfig(min_nodes=nodes[0], max_nodes=nodes[1], nproc_per_node=job.np or 1,
+                              run_id=self.rdzv_id or (uuid.uuid4().hex if self.one_node else
+                                                      "none"),
+                              rdzv_backend=backend, rdzv_endpoint=endpoint,
+                              rdzv_configs=configs, max_restarts=restarts,
+                              local_addr=local_addr, start_method="spawn")
+        env = self.environment(job, environ={})
+        saved = dict(os.environ)
+        os.environ.update(env)  # the spawned processes start from the driver's environment
+        try:
+            results = elastic_launch(config, _call_with_env)(fn, tuple(args), dict(job.env))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        return [results[i] for i in sorted(results)]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _has_interface(name: str) -> bool:
+    import socket
+
+    try:
+        return any(n == name for _, n in socket.if_nameindex())
+    except OSError:
+        return False
+
+
 ENGINES: dict[str, Callable[..., Engine]] = {
     "horovodrun": HorovodrunEngine,
     "ray": RayEngine,
     "spark": SparkEngine,
+    "torchrun": TorchrunEngine,
 }

@@ -103,6 +103,171 @@ def horovodrun_command(command: Sequence[Any], np: int | None = None, *,
 
 
 # ----------------------------------------------------------------------------------------------
+# torchrun (torch.distributed's launcher)
+
+TORCHRUN_SCRIPT = "torchrun"
+TORCHRUN_MODULE = "torch.distributed.run"
+# torchrun's default ports: the c10d rendezvous's and the static one's (MASTER_PORT).
+C10D_PORT, STATIC_PORT = 29400, 29500
+# A restart of an elastic job's workers after a failure (a node lost) counts against torchrun's
+# --max-restarts (default 0 there: the first lost node would end the job); a node joining does not.
+ELASTIC_MAX_RESTARTS = 3
+# A one-node job: its rendezvous (and MASTER_ADDR) on the loopback, not on the hostname's address.
+LOCAL_ADDR = "127.0.0.1"
+_PYTHON_NAME = re.compile(r"python[0-9.]*$")
+
+
+def find_torchrun() -> list[str] | None:
+    """torchrun beside this Python (a venv's bin/), else ``this Python -m torch.distributed.run``
+    where torch imports here, else torchrun on PATH: a list (one word, or three)."""
+    here = os.path.join(os.path.dirname(sys.executable), TORCHRUN_SCRIPT)
+    if os.path.exists(here):
+        return [here]
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return [sys.executable, "-m", TORCHRUN_MODULE]
+    found = shutil.which(TORCHRUN_SCRIPT)
+    return [found] if found else None
+
+
+def is_torchrun_command(command: Sequence[Any]) -> bool:
+    """The command is a torchrun command line of its own (``torchrun ...`` or
+    ``python -m torch.distributed.run ...``)."""
+    words = [str(c) for c in command]
+    if not words:
+        return False
+    if os.path.basename(words[0]) == TORCHRUN_SCRIPT:
+        return True
+    return (bool(_PYTHON_NAME.match(os.path.basename(words[0])))
+            and words[1:3] == ["-m", TORCHRUN_MODULE])
+
+
+def _this_python(word: str) -> bool:
+    """``word`` runs this interpreter, the one torchrun runs scripts with: a bare python or
+    python3 (``resolve_python``'s rule) or sys.executable itself."""
+    return word in ("python", "python3") or word == sys.executable
+
+
+def torchrun_script(command: Sequence[Any]) -> list[str]:
+    """What follows torchrun's options for ``command``: ``SCRIPT ARGS`` for this Python running
+    a script, ``-m MODULE ARGS`` for a module, else ``--no-python COMMAND...`` (another
+    interpreter, interpreter options such as -u, or no Python at all: run as given)."""
+    words = [str(c) for c in command]
+    if not words:
+        raise ValueError("give the command to run")
+    if _this_python(words[0]) and len(words) > 1:
+        if not words[1].startswith("-"):
+            return words[1:]
+        if words[1] == "-m" and len(words) > 2:
+            return ["-m", *words[2:]]
+    if words[0] in ("python", "python3"):  # run as given, but by this Python (resolve_python)
+        words[0] = sys.executable
+    return ["--no-python", *words]
+
+
+def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``HOST[:PORT]`` (``[v6]:PORT`` too) as (host, port); ValueError for a bad port."""
+    if endpoint.startswith("["):  # [v6]:PORT
+        host, _, rest = endpoint[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else rest
+    elif endpoint.count(":") == 1:
+        host, port = endpoint.split(":")
+    else:  # no port (a bare IPv6 address included)
+        host, port = endpoint, ""
+    if not host:
+        raise ValueError(f"rendezvous endpoint {endpoint!r} names no host")
+    if not port:
+        return host, default_port
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"rendezvous endpoint {endpoint!r}: bad port {port!r}")
+    return host, int(port)
+
+
+def torchrun_command(command: Sequence[Any], nproc_per_node: int | None = None, *,
+                     nnodes: int | None = None, min_nodes: int | None = None,
+                     max_nodes: int | None = None, node_rank: int | None = None,
+                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                     max_restarts: int | None = None, extra_args: Iterable[str] = (),
+                     executable: Sequence[str] | str | None = None) -> list[str]:
+    """The torchrun command line that runs ``command`` with nproc_per_node processes (default 1)
+    on this node of a job of one or more nodes:
+
+    * one node (no endpoint, nnodes 1): ``--standalone --local-addr 127.0.0.1`` (a c10d
+      rendezvous on a free port of the loopback; MASTER_ADDR 127.0.0.1);
+    * nnodes N with ``rdzv_endpoint`` HOST[:PORT]: ``--nnodes N --rdzv-backend c10d
+      --rdzv-endpoint HOST:PORT`` (every node the same; torchrun hands out the node ranks);
+    * ... and ``node_rank`` R: torchrun's static rendezvous, ``--nnodes N --node-rank R
+      --master-addr HOST --master-port PORT`` (the endpoint is node 0's address);
+    * elastic, min_nodes..max_nodes: ``--nnodes MIN:MAX --rdzv-backend c10d --rdzv-endpoint
+      HOST:PORT --max-restarts R`` (R default ELASTIC_MAX_RESTARTS).
+
+    rdzv_id: ``--rdzv-id`` (the same on every node). extra_args: any other torchrun options,
+    before the command. The command: ``torchrun_script``. executable: default
+    ``find_torchrun()``. ValueError names a combination torchrun cannot run."""
+    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes),
+                        ("min_nodes", min_nodes), ("max_nodes", max_nodes)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    for name, value in (("node_rank", node_rank), ("max_restarts", max_restarts)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    elastic = min_nodes is not None or max_nodes is not None
+    if executable is None:
+        executable = find_torchrun() or [TORCHRUN_SCRIPT]
+    cmd = [executable] if isinstance(executable, (str, os.PathLike)) else list(executable)
+    cmd = [str(c) for c in cmd] + ["--nproc-per-node", str(nproc_per_node or 1)]
+    if elastic:
+        if min_nodes is None or max_nodes is None:
+            raise ValueError("an elastic torchrun job needs both bounds (--nnodes MIN:MAX)")
+        if min_nodes > max_nodes:
+            raise ValueError(f"min_nodes {min_nodes} is above max_nodes {max_nodes}")
+        if nnodes is not None:
+            raise ValueError("nnodes is a fixed-size job's; an elastic one has min/max nodes")
+        if node_rank is not None:
+            raise ValueError("node_rank is torchrun's static rendezvous, which cannot be "
+                             "elastic: leave it out (the c10d rendezvous ranks the nodes)")
+        if rdzv_endpoint is None:
+            raise ValueError("an elastic torchrun job needs the c10d rendezvous endpoint "
+                             "HOST:PORT that every node joins (rdzv_endpoint)")
+        host, port = split_endpoint(rdzv_endpoint, C10D_PORT)
+        cmd += ["--nnodes", f"{min_nodes}:{max_nodes}", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{_bracket(host)}:{port}",
+                "--max-restarts", str(ELASTIC_MAX_RESTARTS if max_restarts is None
+                                      else max_restarts)]
+        max_restarts = None
+    elif node_rank is not None:
+        if rdzv_endpoint is None or nnodes is None:
+            raise ValueError("a node rank (torchrun's static rendezvous) needs nnodes and node "
+                             "0's address as the endpoint HOST[:PORT]")
+        if node_rank >= nnodes:
+            raise ValueError(f"node_rank {node_rank} is not below nnodes {nnodes}")
+        host, port = split_endpoint(rdzv_endpoint, STATIC_PORT)
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", host,
+                "--master-port", str(port)]
+    elif rdzv_endpoint is not None:
+        host, port = split_endpoint(rdzv_endpoint, C10D_PORT)
+        cmd += ["--nnodes", str(nnodes or 1), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{_bracket(host)}:{port}"]
+    else:
+        if nnodes not in (None, 1):
+            raise ValueError(f"a job of {nnodes} nodes needs the rendezvous endpoint HOST:PORT "
+                             "every node joins (rdzv_endpoint; node 0's address)")
+        cmd += ["--standalone", "--local-addr", LOCAL_ADDR]
+    if rdzv_id is not None:
+        if node_rank is not None and not elastic:
+            raise ValueError("rdzv_id names a c10d rendezvous; the static one (node_rank) has none")
+        cmd += ["--rdzv-id", str(rdzv_id)]
+    if max_restarts is not None:
+        cmd += ["--max-restarts", str(max_restarts)]
+    return cmd + [str(a) for a in extra_args] + torchrun_script(command)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+# ----------------------------------------------------------------------------------------------
 # Reporting: the worker's side
 
 def result_line(row: Mapping[str, Any], tag: str = RESULT_TAG) -> str:
