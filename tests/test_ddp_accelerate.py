@@ -1,0 +1,61 @@
+"""Hugging Face Accelerate with hvd_scale's DDP optimizer (examples/ddp_accelerate.py): under
+``torchrun --nproc-per-node 2`` (Gloo, CPU), ``accelerator.prepare`` of the model and loader, the
+optimizer built over the prepared DDP model and prepared in turn, ``accelerator.accumulate`` at
+gradient_accumulation_steps 1 and 2: step by step the gains, lr factors, tau, sigma2 and mu2 of
+the plain DDP loop with hvd_scale's DDP optimizer on the same micro-batches, the lr its SGD saw
+is the policy's (baseline lr x adascale's gain), and the weights after are the same (--compare
+runs both in one job).
+
+Skipped only where accelerate is not installed and HVD_SCALE_REQUIRE_HOROVOD is unset (`make
+test` sets it: there a missing accelerate fails).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from hvdrun import REPO_ROOT, _horovod_required, run_torchrun, worker_results
+
+EXAMPLE = REPO_ROOT / "examples" / "ddp_accelerate.py"
+MISSING = importlib.util.find_spec("accelerate") is None
+requires_accelerate = pytest.mark.skipif(
+    MISSING and not _horovod_required(),
+    reason="accelerate is not installed (the `accelerate` extra; make setup installs it)")
+RTOL = 1e-6
+LR = 0.05  # the example's
+
+
+def _need_accelerate():
+    if MISSING:
+        pytest.fail("accelerate is not installed, and HVD_SCALE_REQUIRE_HOROVOD requires it "
+                    "(make setup installs the `accelerate` extra)")
+
+
+@requires_accelerate
+@pytest.mark.timeout(150)
+def test_accelerate_loop_steps_like_the_plain_ddp_loop():
+    _need_accelerate()
+    proc = run_torchrun([str(EXAMPLE), "--policy", "adascale", "--accumulate", "1,2",
+                         "--steps", "5", "--compare"], timeout=140)
+    runs = {}
+    for r in worker_results(proc):
+        runs[(r["run"], r["k"], r["rank"])] = r
+    assert len(runs) == 8, sorted(runs)
+    for k in (1, 2):
+        for rank in (0, 1):
+            ours, plain = runs[("accelerate", k, rank)], runs[("plain", k, rank)]
+            assert ours["scale"] == plain["scale"] == 2 * k
+            assert [row["steps"] for row in ours["rows"]] == [1, 2, 3, 4, 5]
+            for key in ("gain", "lr_factor", "lr", "progress", "sigma2", "mu2"):
+                np.testing.assert_allclose([row[key] for row in ours["rows"]],
+                                           [row[key] for row in plain["rows"]], rtol=RTOL,
+                                           err_msg=f"k={k} rank {rank}: {key}")
+            np.testing.assert_allclose(ours["weights"], plain["weights"], rtol=RTOL, atol=1e-12)
+            gains = np.array([row["gain"] for row in ours["rows"]])
+            # measured, not the bounds: the lr the SGD saw follows the gain, step by step
+            assert 1.05 < gains.min() and gains.max() < 2 * k and np.ptp(gains) > 1e-3, gains
+            np.testing.assert_allclose([row["lr"] for row in ours["rows"]], LR * gains, rtol=1e-12)
+        assert runs[("accelerate", k, 0)]["rows"] == runs[("accelerate", k, 1)]["rows"]
