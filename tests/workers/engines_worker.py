@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from _report import emit_result
+from parity_worker import LR, initial_weights
+from parity_worker import micro_batch as parity_micro_batch
 
 WORKERS = 2
-STEPS = 6
-BATCH = 16
-LR = 0.05
+STEPS = 6  # the model, weights, micro-batches, batch and lr: parity_worker's
 POLICIES = ("none", "linear", "sqrt", "power:alpha=0.7", "fixed:factor=1.5", "warmup:fraction=0.5",
             "legw:steps=4", "adascale", "adascale_adam")
 BUDGET = 40
@@ -43,15 +43,9 @@ RESUME_K = 2
 ADAM_STEPS = 24
 
 
-def initial_weights():
-    rng = np.random.default_rng(123)
-    return [rng.normal(0, 0.5, (16, 8)), rng.normal(0, 0.1, 16), rng.normal(0, 0.5, (3, 16)),
-            rng.normal(0, 0.1, 3)]
-
-
 def micro_batch(rank, step, k_pass):
-    rng = np.random.default_rng(1000 * step + 10 * rank + k_pass)
-    return torch.from_numpy(rng.normal(size=(BATCH, 8))), torch.from_numpy(rng.integers(0, 3, BATCH))
+    x, y = parity_micro_batch(rank, step, k_pass)
+    return torch.from_numpy(x), torch.from_numpy(y)
 
 
 def new_model():
