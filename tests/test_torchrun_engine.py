@@ -7,6 +7,7 @@ report the policy, log directory and rendezvous they got and the DDP steps they 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -193,3 +194,16 @@ def test_hvd_scale_run_trains_two_ddp_ranks_under_torchrun(tmp_path):
         assert 1 < a["gain"] < 4 and a["lr_factor"] == a["gain"]
     assert by_rank[0][0]["weights"] != by_rank[0][1]["weights"]  # it trained
     assert (logs / "metrics.csv").exists()
+
+
+def _probe(tag):
+    return {"tag": tag, "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
+            "policy": os.environ.get("HVD_SCALE_POLICY")}
+
+
+@pytest.mark.timeout(200)
+def test_the_engine_runs_a_python_function_on_every_rank():
+    """engines.run(fn, engine="torchrun"): fn on each process (torch's elastic_launch, spawned),
+    with the workers' environment; the results in rank order."""
+    results = engines.run(_probe, args=("x",), np=2, engine="torchrun", policy="linear")
+    assert results == [{"tag": "x", "rank": r, "world": 2, "policy": "linear"} for r in (0, 1)]
