@@ -841,16 +841,20 @@ class TorchrunEngine:
                                 rdzv_id=self.rdzv_id, max_restarts=self.max_restarts,
                                 extra_args=self.extra_args, executable=self.executable)
 
-    def environment(self, job: Job, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The driver's environment with Job.env on top; a one-node job's Gloo on the loopback."""
+    def environment(self, job: Job, environ: Mapping[str, str] | None = None,
+                    command: Sequence[str] = ()) -> dict[str, str]:
+        """The driver's environment with Job.env on top; a one-node job's Gloo on the loopback
+        (not for a torchrun command line of the user's, which may name other nodes)."""
         env = dict(os.environ if environ is None else environ)
         env.update(job.env)
-        if self.one_node and "GLOO_SOCKET_IFNAME" not in env and _has_interface("lo"):
+        if (self.one_node and not is_torchrun_command(command)
+                and "GLOO_SOCKET_IFNAME" not in env and _has_interface("lo")):
             env["GLOO_SOCKET_IFNAME"] = "lo"
         return env
 
     def run_command(self, command: Sequence[str], job: Job) -> int:
-        return run_stoppable(self.command_line(command, job), env=self.environment(job))
+        return run_stoppable(self.command_line(command, job),
+                             env=self.environment(job, command=command))
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any], job: Job) -> list[Any]:
         """fn(*args) in each of this node's processes (torch's ``elastic_launch``, spawned: fn
