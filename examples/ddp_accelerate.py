@@ -3,7 +3,11 @@ gates the optimizer step under gradient accumulation; hvd_scale's DDP optimizer 
 prepared (DDP) model, then prepared itself.
 
     torchrun --nproc-per-node 2 examples/ddp_accelerate.py --policy adascale --accumulate 4
-    accelerate launch --cpu --num_processes 2 examples/ddp_accelerate.py
+
+Accelerate reads torchrun's environment (any launcher that starts the processes with it will do;
+``accelerate launch --cpu --num_processes 2`` starts one process on a machine without MPI). In
+one process Accelerate does not wrap the model in DDP, and hvd_scale's DDP optimizer refuses the
+bare model (TypeError): there is no DDP to carry the statistics.
 
 The recipe (``train``):
 

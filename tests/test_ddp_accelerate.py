@@ -4,7 +4,8 @@ optimizer built over the prepared DDP model and prepared in turn, ``accelerator.
 gradient_accumulation_steps 1 and 2: step by step the gains, lr factors, tau, sigma2 and mu2 of
 the plain DDP loop with hvd_scale's DDP optimizer on the same micro-batches, the lr its SGD saw
 is the policy's (baseline lr x adascale's gain), and the weights after are the same (--compare
-runs both in one job).
+runs both in one job). In one process Accelerate leaves the model bare, and hvd_scale's DDP
+optimizer refuses it.
 
 Skipped only where accelerate is not installed and HVD_SCALE_REQUIRE_HOROVOD is unset (`make
 test` sets it: there a missing accelerate fails).
@@ -17,7 +18,9 @@ import importlib.util
 import numpy as np
 import pytest
 
-from hvdrun import REPO_ROOT, _horovod_required, run_torchrun, worker_results
+import sys
+
+from hvdrun import REPO_ROOT, _horovod_required, run_process, run_torchrun, worker_results
 
 EXAMPLE = REPO_ROOT / "examples" / "ddp_accelerate.py"
 MISSING = importlib.util.find_spec("accelerate") is None
@@ -59,3 +62,14 @@ def test_accelerate_loop_steps_like_the_plain_ddp_loop():
             assert 1.05 < gains.min() and gains.max() < 2 * k and np.ptp(gains) > 1e-3, gains
             np.testing.assert_allclose([row["lr"] for row in ours["rows"]], LR * gains, rtol=1e-12)
         assert runs[("accelerate", k, 0)]["rows"] == runs[("accelerate", k, 1)]["rows"]
+
+
+@requires_accelerate
+@pytest.mark.timeout(90)
+def test_one_process_is_refused():
+    """Without a torchrun environment Accelerate runs one process and wraps nothing in DDP: no
+    DDP hook to carry the statistics, and the DDP optimizer says so."""
+    _need_accelerate()
+    proc = run_process([sys.executable, str(EXAMPLE), "--steps", "1"], timeout=80, check=False)
+    assert proc.returncode != 0
+    assert "TypeError: model must be a torch.nn.parallel.DistributedDataParallel" in proc.stderr
