@@ -54,7 +54,8 @@ class Classifier(pl.LightningModule):
         return F.cross_entropy(self.net(x), y)  # the micro-batch's mean loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        self.sgd = torch.optim.SGD(self.parameters(), lr=LR)  # kept: Rows watches its lr
+        return self.sgd
 
 
 def record(opt, seen: list, rows: list) -> None:
@@ -70,8 +71,8 @@ class Rows(pl.Callback):
         self.rows, self.seen, self.steps = [], [], 0
 
     def on_fit_start(self, trainer, module):
-        inner = trainer.optimizers[0]._inner  # the SGD of configure_optimizers
-        inner.register_step_pre_hook(lambda o, args, kw: self.seen.append(o.param_groups[0]["lr"]))
+        # trainer.optimizers[0] is hvd_scale's, over the SGD of configure_optimizers
+        module.sgd.register_step_pre_hook(lambda o, a, kw: self.seen.append(o.param_groups[0]["lr"]))
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step > self.steps:  # an optimizer step was taken

@@ -59,12 +59,3 @@ def test_lightning_trainer_steps_like_the_plain_ddp_loop():
             np.testing.assert_allclose([row["lr"] for row in ours["rows"]], LR * gains, rtol=1e-12)
         assert runs[("lightning", k, 0)]["rows"] == runs[("lightning", k, 1)]["rows"]
 
-
-@requires_lightning
-def test_what_the_strategy_refuses():
-    _need_lightning()
-    from hvd_scale.adapters.torch.lightning import DDPStrategy
-
-    for key in ("backward_passes_per_step", "comm_hook"):
-        with pytest.raises(ValueError, match=key):
-            DDPStrategy(policy="adascale", optimizer_kwargs={key: None})
