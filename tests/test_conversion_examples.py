@@ -133,3 +133,69 @@ def test_the_loader_pair(tmp_path):
     assert all(1 <= float(r["gain"]) <= 2 and math.isfinite(float(r["loss"])) for r in rows)
     losses = epoch_test_losses(ada.stdout)
     assert len(losses) == 2 and losses[-1] < 2.0, ada.stdout[-2000:]  # 2 passes; chance: 2.30
+
+
+def code_lines(path: Path) -> list[str]:
+    """A script's lines after its module docstring (what a conversion changes of the code)."""
+    text = path.read_text()
+    return text[text.index('"""', 3) + 3:].splitlines()
+
+
+def changed_lines(before: Path, after: Path) -> list[str]:
+    import difflib
+
+    diff = difflib.unified_diff(code_lines(before), code_lines(after), lineterm="", n=0)
+    return [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")
+            and line[1:].strip()]
+
+
+@pytest.mark.timeout(200)
+def test_the_ddp_pair():
+    """#49: PyTorch's own DDP example (the tutorial's ToyModel, DDP(model), SGD, MSELoss) and its
+    conversion to hvd_scale's DDP optimizer, both under torchrun --nproc-per-node 2 (Gloo). The
+    code's diff is the import, the wrapped optimizer and the line that prints the policy's
+    numbers; under HVD_SCALE_POLICY=none the converted script trains as the original, loss for
+    loss, and under adascale it measures a gain in [1, 2] and counts tau as the gains' sum."""
+    from hvdrun import run_torchrun
+
+    script = {name: EXAMPLES / f"ddp_{name}.py" for name in ("before", "after")}
+    changed = changed_lines(script["before"], script["after"])
+    assert [line[0] for line in changed] == ["+", "-", "+", "+", "+"], changed
+    assert "from hvd_scale.adapters.torch.ddp import DistributedOptimizer" in changed[0]
+    assert "DistributedOptimizer(optim.SGD(ddp_model.parameters(), lr=0.001), ddp_model)" \
+        in changed[2]
+
+    def final_loss(out: str) -> float:
+        losses = re.findall(r"final loss ([0-9.]+)", out)
+        assert len(losses) == 1, out[-2000:]  # rank 0's
+        return float(losses[0])
+
+    with ThreadPoolExecutor(3) as pool:  # three 2-rank jobs at once: their start-up dominates
+        before, plain, ada = pool.map(
+            lambda run: run_torchrun([str(script[run[0]])], env=run[1], timeout=150),
+            [("before", None), ("after", {"HVD_SCALE_POLICY": "none"}),
+             ("after", {"HVD_SCALE_POLICY": "adascale"})])
+    assert "hvd_scale" not in before.stdout + before.stderr
+    assert "hvd_scale: policy none at S = 2 (2 worker(s) x 1 pass(es))" in plain.stderr
+    assert "none at S = 2: 20 steps, tau 40.00, gain 1.000" in plain.stdout
+    assert final_loss(plain.stdout) == pytest.approx(final_loss(before.stdout), rel=1e-6)
+    assert "hvd_scale: policy adascale at S = 2" in ada.stderr
+    found = re.findall(r"adascale at S = 2: 20 steps, tau ([0-9.]+), gain ([0-9.]+)", ada.stdout)
+    assert len(found) == 1, ada.stdout[-2000:]
+    tau, gain = map(float, found[0])
+    assert 20 < tau <= 40 and 1 <= gain <= 2  # measured: neither bound at every step
+    assert final_loss(ada.stdout) < 5  # finite, and trained from the same start
+
+
+def test_the_ddp_guide_shows_the_pairs_diff():
+    """docs/ddp.md quotes the DDP pair's diff (the site generates the Horovod pairs' only): it is
+    the files' diff as they are now."""
+    import difflib
+
+    before, after = (EXAMPLES / f"ddp_{name}.py" for name in ("before", "after"))
+    diff = difflib.unified_diff(before.read_text().splitlines(), after.read_text().splitlines(),
+                                f"examples/{before.name}", f"examples/{after.name}", lineterm="")
+    page = (REPO_ROOT / "docs" / "ddp.md").read_text()
+    assert "```diff\n" + "\n".join(diff) + "\n```" in page, \
+        "docs/ddp.md's diff is not examples/ddp_before.py against examples/ddp_after.py: " \
+        "paste the new one"

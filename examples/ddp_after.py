@@ -1,0 +1,62 @@
+"""examples/ddp_before.py with hvd_scale's DDP optimizer: the policy comes from the launcher.
+
+    HVD_SCALE_POLICY=adascale torchrun --nproc-per-node 2 examples/ddp_after.py
+
+The DDP guide (docs/ddp.md) shows the diff against the "before": one import, the optimizer
+wrapped with the DDP model, and a line that prints what the policy did. The lr stays the one
+of a single worker (the tutorial never scaled it): the policy multiplies it at each step.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.optim as optim
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hvd_scale.adapters.torch.ddp import DistributedOptimizer
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super(ToyModel, self).__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+
+def demo_basic(steps):
+    dist.init_process_group("gloo")              # torchrun sets the rendezvous
+    rank = dist.get_rank()
+    print(f"Start running basic DDP example on rank {rank}.")
+    torch.manual_seed(0)                         # DDP broadcasts rank 0's weights anyway
+    model = ToyModel()
+    ddp_model = DDP(model)
+
+    loss_fn = nn.MSELoss()
+    optimizer = DistributedOptimizer(optim.SGD(ddp_model.parameters(), lr=0.001), ddp_model)
+
+    data = torch.Generator().manual_seed(1 + rank)   # each rank its own batches
+    for step in range(steps):
+        optimizer.zero_grad()
+        outputs = ddp_model(torch.randn(20, 10, generator=data))
+        labels = torch.randn(20, 5, generator=data)
+        loss = loss_fn(outputs, labels)
+        loss.backward()
+        optimizer.step()
+    if rank == 0:
+        print(f"final loss {loss.item():.8f}", flush=True)
+        print(f"{optimizer.policy.spec} at S = {optimizer.scale:g}: {optimizer.steps} steps, "
+              f"tau {optimizer.progress:.2f}, gain {optimizer.gain:.3f}", flush=True)
+    dist.destroy_process_group()
+    print(f"Finished running basic DDP example on rank {rank}.")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    demo_basic(p.parse_args().steps)
