@@ -36,6 +36,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState, batched_powerSGD_hook, powerSGD_hook)
 from torch.nn.parallel import DistributedDataParallel
 
 from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, check_passes
@@ -54,6 +56,18 @@ FSDP_REFUSED = (
     "before the reduce-scatter (FSDP2's set_custom_reduce_scatter, or a comm hook on FSDP1) and "
     "|g_bar|^2 of each rank's shard after it, all of which add up over ranks in the statistics' "
     "one allreduce. Wrap the model in DistributedDataParallel instead")
+
+# #49, measured in tests/workers/ddp_options_worker.py (rank 1, error feedback, 2 workers): from
+# its start_powerSGD_iter on, PowerSGD's "mean" was 68-105% away from g_bar (relative L2) at every
+# step and its |.|^2 0.3x to 2x the true |g_bar|^2; an estimator fed it saw the gain at S at once.
+POWERSGD_REFUSED = (
+    "hvd_scale: PowerSGD's communication hook cannot carry policy {policy}'s statistics: what it "
+    "returns is a low-rank approximation of the mean gradient plus the error fed back from earlier "
+    "steps, not g_bar, so |g_bar|^2, sigma2, mu2 and the gain would be measured on that "
+    "approximation (per step its squared norm was 0.3x to 2x the true one in our tests). Use a "
+    "policy that does not measure (e.g. policy='linear', 'sqrt', 'fixed:...'; PowerSGD composes "
+    "with those), or a hook that keeps the mean (default_hooks.fp16_compress_hook, "
+    "bf16_compress_hook)")
 
 
 class TorchDistributedBinding:
@@ -107,10 +121,11 @@ class DistributedOptimizer(TorchOptimizer):
             k - 1 backward passes of a step under ``model.no_sync()`` (DDP's accumulation); a
             short step (fewer passes, a leftover batch) counts the passes taken.
         comm_hook: a DDP communication hook of your own, ``hook`` or ``(state, hook)`` (e.g.
-            ``default_hooks.fp16_compress_hook``, PowerSGD's): the statistics compose with it
-            (norms before it, |g_bar|^2 of what it returns), as torch's ``fp16_compress_wrapper``
+            ``default_hooks.fp16_compress_hook``): the statistics compose with it (norms
+            before it, |g_bar|^2 of what it returns), as torch's ``fp16_compress_wrapper``
             composes with another hook. A hook registered on the model before is refused
-            (DDP takes one): pass it here.
+            (DDP takes one): pass it here. PowerSGD's is refused under a measuring policy
+            (``POWERSGD_REFUSED``: it returns no g_bar to measure); unmeasured it composes.
     """
 
     # The statistics go out from the last bucket's hook (the same collective order on every
@@ -160,12 +175,17 @@ class DistributedOptimizer(TorchOptimizer):
         kind = None if self._bucketed else "norms" if self._measure else \
             "count" if backward_passes_per_step > 1 or adapt is not None else None
         # (Unmeasured at k = 1: every worker took the one pass DDP synchronized, n = workers.)
-        self._hook_parameters(kind)
         state, hook = comm_hook if isinstance(comm_hook, tuple) else (self._group, comm_hook)
+        if self._measure and (isinstance(state, PowerSGDState)
+                              or hook in (powerSGD_hook, batched_powerSGD_hook)):
+            raise ValueError(POWERSGD_REFUSED.format(policy=self.scaling.policy.spec))
+        self._hook_parameters(kind)
         self._user_hook, self._user_state = hook or allreduce_hook, state
         try:
             ddp.register_comm_hook(None, self._comm_hook)
         except RuntimeError as e:
+            for handle in self._hooks:  # a refused optimizer leaves no tensor hook behind
+                handle.remove()
             raise ValueError("hvd_scale: this DDP model has a communication hook already (DDP "
                              "takes one): pass it to DistributedOptimizer(..., comm_hook=hook) or "
                              "comm_hook=(state, hook) instead of registering it, and the "
@@ -207,7 +227,7 @@ class DistributedOptimizer(TorchOptimizer):
                 self._take_norms(params, grads)
         future = self._user_hook(self._user_state, bucket)
         if self._measure:
-            future = future.then(self._mean_norms_of(params, grads))
+            future = future.then(self._mean_norms_of(bucket.index(), params, grads))
         if bucket.is_last():
             if self._measure:
                 step.stats_handle = self.start_statistics()
@@ -215,9 +235,10 @@ class DistributedOptimizer(TorchOptimizer):
                 step.stats_handle = self._start_count(max(step.fired, default=0))
         return future
 
-    def _mean_norms_of(self, params, grads):
+    def _mean_norms_of(self, index, params, grads):
         """The future's callback: |g_bar|^2 of the bucket's averaged gradients, per group (the
-        result laid out as the bucket's gradients), kept for ``mean_sqnorms``."""
+        result laid out as the bucket's gradients), kept for ``mean_sqnorms`` with the bucket's
+        ``index``."""
         step = self._step
         shapes = [(g.numel(), g.shape) for g in grads]
 
@@ -226,7 +247,7 @@ class DistributedOptimizer(TorchOptimizer):
             if isinstance(out, (list, tuple)):
                 out = out[0]
             if len(self.param_groups) == 1 and self.scaling.policy.statistics == "plain":
-                step.mean_norms.append((0, norms([out]).square().sum()))
+                step.mean_norms.append((index, 0, norms([out]).square().sum()))
             else:
                 views, at = [], 0
                 for numel, shape in shapes:
@@ -234,7 +255,7 @@ class DistributedOptimizer(TorchOptimizer):
                     at += numel
                 squares = self._grad_norms(params, views).square()
                 for i, p in enumerate(params):
-                    step.mean_norms.append((self._group_of.get(p, 0), squares[i]))
+                    step.mean_norms.append((index, self._group_of.get(p, 0), squares[i]))
             return out
         return reduced
 
@@ -272,7 +293,9 @@ class DistributedOptimizer(TorchOptimizer):
         is that times workers / n."""
         sums = [torch.zeros((), dtype=torch.float64, device=self._device)
                 for _ in self.param_groups]
-        for group, square in self._step.mean_norms:
+        # In bucket order, not the order the allreduces completed (it differs between ranks: the
+        # float sums did, in the last bits, and so did the ranks' lr factors and weights, #49).
+        for _, group, square in sorted(self._step.mean_norms, key=lambda entry: entry[0]):
             sums[group] = sums[group] + square
         factor = 1.0 if count is None else self.scaling.hvd.size() / count.clamp(min=1)
         return torch.stack(sums) * factor ** 2
