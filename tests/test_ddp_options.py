@@ -291,6 +291,7 @@ REFUSALS = {
                           "model.no_sync()", "backward_passes_per_step=2"),
     "no_synchronizing": ("RuntimeError: hvd_scale: opt.step() without a synchronizing backward",
                          "outside model.no_sync()"),
+    "join": ("RuntimeError: hvd_scale: DDP's Join context", "drop_last=True"),
 }
 
 
@@ -300,7 +301,8 @@ def test_refused_on_every_rank_with_its_message(results, what):
     """A model that is not DDP, FSDP2 (fully_shard, built on Gloo here) and a class named as
     FSDP1 (FSDP1 needs an accelerator), a hook registered before wrapping, an optimizer over
     parameters DDP does not average (or missing some), two synchronizing passes at k = 2, a step
-    with none: the same error on both ranks, and both go on to the next collective (no hang)."""
+    with none, DDP's Join context: the same error on both ranks, and both go on to the next
+    collective (no hang)."""
     r0, r1 = both(results, "refusals")
     assert r0[what] == r1[what]
     if what == "fsdp2" and r0[what].startswith("could not build FSDP2"):

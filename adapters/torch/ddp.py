@@ -40,15 +40,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     PowerSGDState, batched_powerSGD_hook, powerSGD_hook)
 from torch.nn.parallel import DistributedDataParallel
 
-from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, check_passes
-from hvd_scale.adapters.core import Framework, Request, Scaling
-from hvd_scale.adapters import environment
+from hvd_scale.adapters.adapt import ADAPT_EVERY
 from hvd_scale.guard import SharpnessGuard
-from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
 
 from .norms import norms
-from .optimizer import TorchOptimizer
+from .optimizer import TorchOptimizer, scaling_for
 
 FSDP_REFUSED = (
     "hvd_scale does not support FSDP yet: FSDP reduce-scatters each gradient, so no rank holds "
@@ -68,6 +65,16 @@ POWERSGD_REFUSED = (
     "policy that does not measure (e.g. policy='linear', 'sqrt', 'fixed:...'; PowerSGD composes "
     "with those), or a hook that keeps the mean (default_hooks.fp16_compress_hook, "
     "bf16_compress_hook)")
+
+# A rank that has joined runs DDP's hook on zero buckets without a backward pass of its own: it
+# would count a micro-batch it never took (or none at all with accumulation) and wait for a step
+# that never comes. Raised in the first synchronizing pass inside the context, on every rank,
+# before anything is applied.
+JOIN_REFUSED = (
+    "hvd_scale: DDP's Join context (uneven inputs: `with model.join():` or `Join([model])`) is "
+    "not supported: a joined rank's zero gradients would be counted as micro-batches. Give every "
+    "rank the same number of steps (drop the last uneven batches: DistributedSampler("
+    "drop_last=True)); a leftover batch with fewer passes on some ranks is fine (a short step)")
 
 
 class TorchDistributedBinding:
@@ -149,19 +156,11 @@ class DistributedOptimizer(TorchOptimizer):
         self._ddp = ddp
         self._group = ddp.process_group
         self._check_parameters(optimizer, ddp)
-        groups = len(optimizer.param_groups)
-        self.scaling = Scaling(
-            TorchDistributedBinding(self._group),
-            Request(policy=policy, passes=backward_passes_per_step, scale=scale, budget=budget,
-                    measure=measure, nonfinite=nonfinite, log_dir=environment.log_dir(log_dir),
-                    log_every=environment.log_every()),
-            Framework(optimizer_name=type(optimizer).__name__, name="torch/ddp", groups=groups,
-                      base_lrs=[g.get("lr") for g in optimizer.param_groups],
-                      lr_names=[f"param_groups[{i}]['lr']" for i in range(groups)],
-                      eps_placement=EPS_CORRECTED, short_steps=True),
-            adaptation=Adaptation(adapt, max_passes, adapt_every,
-                                  check_passes(backward_passes_per_step), measure),
-            guard=guard)
+        self.scaling = scaling_for(
+            TorchDistributedBinding(self._group), optimizer, name="torch/ddp", policy=policy,
+            passes=backward_passes_per_step, scale=scale, budget=budget, measure=measure,
+            log_dir=log_dir, nonfinite=nonfinite, guard=guard, adapt=adapt,
+            max_passes=max_passes, adapt_every=adapt_every)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self.engine = "ddp"
@@ -215,6 +214,8 @@ class DistributedOptimizer(TorchOptimizer):
     def _comm_hook(self, _, bucket):  # (no annotation: DDP checks it, and ours are strings)
         step = self._step
         if bucket.index() == 0:
+            if getattr(self._ddp, "_join_config", None) is not None and self._ddp._join_config.enable:
+                raise RuntimeError(JOIN_REFUSED)
             if step.stats_handle is not None:
                 self._unconsumed()
             step.mean_norms = []

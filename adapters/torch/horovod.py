@@ -19,13 +19,11 @@ import horovod.torch as hvd
 import torch
 
 from hvd_scale.adapters import environment
-from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, check_passes
-from hvd_scale.adapters.core import Framework, Request, Scaling
+from hvd_scale.adapters.adapt import ADAPT_EVERY
 from hvd_scale.guard import SharpnessGuard
-from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
 
-from .optimizer import TorchOptimizer
+from .optimizer import TorchOptimizer, scaling_for
 from .process_set import ProcessSetBinding
 
 SHARPNESS_NAME = "hvd_scale.sharpness"
@@ -111,20 +109,12 @@ class DistributedOptimizer(TorchOptimizer):
         process_set = horovod_options.get("process_set", hvd.global_process_set)
         # S, n, the agreement and the statistics live within the process set, as the gradients do.
         self._process_set = process_set
-        groups = len(optimizer.param_groups)
-        self.scaling = Scaling(
-            ProcessSetBinding(process_set),
-            Request(policy=policy, passes=backward_passes_per_step, scale=scale, budget=budget,
-                    measure=measure, nonfinite=nonfinite, log_dir=environment.log_dir(log_dir),
-                    log_every=environment.log_every()),
-            Framework(optimizer_name=type(optimizer).__name__, name="torch", groups=groups,
-                      base_lrs=[g.get("lr") for g in optimizer.param_groups],
-                      lr_names=[f"param_groups[{i}]['lr']" for i in range(groups)],
-                      eps_placement=EPS_CORRECTED, short_steps=True,
-                      elastic=environment.elastic(), check=lambda _: _check_op(op)),
-            adaptation=Adaptation(adapt, max_passes, adapt_every,
-                                  check_passes(backward_passes_per_step), measure),
-            guard=guard)
+        self.scaling = scaling_for(
+            ProcessSetBinding(process_set), optimizer, name="torch", policy=policy,
+            passes=backward_passes_per_step, scale=scale, budget=budget, measure=measure,
+            log_dir=log_dir, nonfinite=nonfinite, guard=guard, adapt=adapt,
+            max_passes=max_passes, adapt_every=adapt_every, elastic=environment.elastic(),
+            check=lambda _: _check_op(op))
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self.engine = "horovod"

@@ -29,9 +29,11 @@ from typing import Any
 
 import torch
 
-from hvd_scale.adapters.adapt import check_passes
-from hvd_scale.adapters.core import USER_SETTINGS, Readout, run_step
+from hvd_scale.adapters import environment
+from hvd_scale.adapters.adapt import Adaptation, check_passes
+from hvd_scale.adapters.core import USER_SETTINGS, Framework, Readout, Request, Scaling, run_step
 from hvd_scale.guard import ADAM_OPTIMIZERS
+from hvd_scale.moments import EPS_CORRECTED
 
 from .checkpoint import Checkpoints
 from .hessian import hessian_top_eigenvalue
@@ -52,6 +54,26 @@ class _Step:
 
     closure: Any = None
     guard_loss: Any = None  # the lr guard's loss function (``step(guard_loss=...)``)
+
+
+def scaling_for(binding, optimizer: torch.optim.Optimizer, *, name: str, policy, passes: int,
+                scale, budget, measure, log_dir, nonfinite, guard, adapt, max_passes,
+                adapt_every, elastic: bool = False, check=None) -> Scaling:
+    """The shared half (``core.Scaling``) for a torch optimizer, whichever engine: the user's
+    arguments as given, what torch's optimizer tells of its groups, the engine's collectives
+    (``binding``), ``name`` for run.json, Horovod elastic, the engine's own ``check``."""
+    groups = len(optimizer.param_groups)
+    return Scaling(
+        binding,
+        Request(policy=policy, passes=passes, scale=scale, budget=budget, measure=measure,
+                nonfinite=nonfinite, log_dir=environment.log_dir(log_dir),
+                log_every=environment.log_every()),
+        Framework(optimizer_name=type(optimizer).__name__, name=name, groups=groups,
+                  base_lrs=[g.get("lr") for g in optimizer.param_groups],
+                  lr_names=[f"param_groups[{i}]['lr']" for i in range(groups)],
+                  eps_placement=EPS_CORRECTED, short_steps=True, elastic=elastic, check=check),
+        adaptation=Adaptation(adapt, max_passes, adapt_every, check_passes(passes), measure),
+        guard=guard)
 
 
 class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):

@@ -395,6 +395,14 @@ def case_refusals():
         opt.step()
     out["no_synchronizing"] = error_of(no_synchronizing)
 
+    def joined():  # DDP's uneven inputs
+        ddp = DistributedDataParallel(Net())
+        opt = DistributedOptimizer(sgd(ddp.parameters()), ddp)
+        with ddp.join():
+            loss_of(ddp, RANK, 0, 0).backward()
+            opt.step()
+    out["join"] = error_of(joined)
+
     alive = torch.ones(1)
     dist.all_reduce(alive)
     emit("refusals", alive=int(alive.item()), **out)
