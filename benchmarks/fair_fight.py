@@ -39,6 +39,7 @@ import json
 import math
 import os
 import pathlib
+import socket
 import statistics
 import subprocess
 import sys
@@ -82,17 +83,18 @@ def code_files(bench: dict) -> list[str]:
     return b4.CODE[:-2] + [f"examples/{bench['script']}", f"examples/{bench['data']}"]
 
 
-def code_hash(bench: dict) -> str:
+def code_hash(bench: dict, source: pathlib.Path = ROOT) -> str:
     saved = b4.CODE
     try:
         b4.CODE = code_files(bench)
-        return b4.code_hash(ROOT)
+        return b4.code_hash(source)
     finally:
         b4.CODE = saved
 
 
 def key(r: dict) -> tuple:
-    return r["bench"], r["policy"], r["S"], r["seed"], r["lr"], r["budget"]
+    """A run's identity; a run without "engine" (all before #49) ran under Horovod."""
+    return r["bench"], r["policy"], r["S"], r["seed"], r["lr"], r["budget"], r.get("engine", "horovod")
 
 
 def load() -> list[dict]:
@@ -103,21 +105,35 @@ def save(runs: list[dict]) -> None:
     STORE.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run(name: str, *, policy: str, S: int, seed: int, lr: float, budget: int, snapshot: pathlib.Path,
-        code: str, timeout: float) -> dict:
-    """One run of the bench's example script (S = 1: one process; else horovodrun -np 2, Gloo)."""
+        code: str, timeout: float, engine: str = "horovod") -> dict:
+    """One run of the bench's example script (S = 1: one process; else horovodrun -np 2, Gloo, or
+    with engine "ddp" torchrun --nproc-per-node 2: the example's --engine ddp, DDP on Gloo)."""
     bench = BENCHES[name]
     workers = 1 if S == 1 else 2
     args = [str(BIN / "python"), str(snapshot / "examples" / bench["script"]), "--policy", policy,
             "--seed", str(seed), "--lr", repr(lr), "--budget", str(budget), "--accumulate",
             str(S // workers), "--batch-size", "32", "--log-every", "0",
             "--eval-every", repr(budget / EVALS), *bench["extra"]]
-    cmd = args if workers == 1 else horovodrun_command(args, workers, controller="gloo")
+    if workers == 1:
+        cmd = args
+    elif engine == "ddp":
+        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(workers), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *args[1:], "--engine", "ddp"]
+    else:
+        cmd = horovodrun_command(args, workers, controller="gloo")
     env = {**os.environ, **CPU_ENV_DEFAULTS, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(snapshot),
            "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("HVD_SCALE_LOG_DIR", None)
     row = {"bench": name, "policy": policy, "S": S, "seed": seed, "lr": lr, "budget": budget,
-           "code": code, "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"}
+           "engine": engine, "code": code,
+           "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"}
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
@@ -164,7 +180,7 @@ class Runner:
         self.deadline = time.perf_counter() + 60 * args.max_minutes if args.max_minutes else math.inf
 
     def find(self, **spec) -> dict | None:
-        k = (self.name, spec["policy"], spec["S"], spec["seed"], spec["lr"], spec["budget"])
+        k = (self.name, spec["policy"], spec["S"], spec["seed"], spec["lr"], spec["budget"], "horovod")
         matches = [r for r in self.runs if key(r) == k]
         current = [r for r in matches if r["code"] == self.code]
         return (current or matches or [None])[-1]
@@ -275,7 +291,7 @@ def fmt_reach(s: dict) -> tuple[str, str]:
 
 def bench_report(name: str, runs: list[dict], code: str) -> tuple[list[str], dict]:
     bench = BENCHES[name]
-    mine = [r for r in runs if r["bench"] == name and ok(r)]
+    mine = [r for r in runs if r["bench"] == name and ok(r) and r.get("engine", "horovod") == "horovod"]
     base = [r for r in mine if r["policy"] == "none" and r["S"] == 1 and r["lr"] == bench["lr"]
             and r["budget"] == bench["budget"]]
     lines = [f"## {bench['title']}", ""]

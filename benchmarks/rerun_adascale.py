@@ -4,16 +4,20 @@ quality and steps, the cell's mean and spread, before and after.
 
     .venv/bin/python benchmarks/rerun_adascale.py --bench b1 --scales 16,64    # ~10 min here
     .venv/bin/python benchmarks/rerun_adascale.py --bench b4 --scales 32       # ~25 min here
+    .venv/bin/python benchmarks/rerun_adascale.py --bench b1 --scales 16 --engine ddp   # torchrun, DDP
 
 Each run is fair_fight.run's (the example script under horovodrun -np 2, from a snapshot of the
-code); the reruns are kept in results/rerun_adascale.json (by bench, S, seed and code), the
-table in results/rerun_adascale.md is made from all of them.
+code; ``--engine ddp``: under torchrun --nproc-per-node 2 with the example's --engine ddp); the
+reruns are kept in results/rerun_adascale.json (by bench, S, seed, engine and code; a run without
+"engine" ran under Horovod), the table in results/rerun_adascale.md is made from all of them,
+always against the fair fight's Horovod runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 
@@ -22,6 +26,14 @@ import transformer_bleu as b4
 
 STORE = fair_fight.RESULTS / "rerun_adascale.json"
 REPORT = fair_fight.RESULTS / "rerun_adascale.md"
+
+
+def _engine(r: dict) -> str:
+    return r.get("engine", "horovod")
+
+
+def _load() -> list[dict]:
+    return json.loads(STORE.read_text())["runs"] if STORE.exists() else []
 
 
 def _cell(rows: list[dict]) -> str:
@@ -38,24 +50,28 @@ def report(reruns: list[dict]) -> str:
              "Untuned AdaScale (the bench's baseline lr), 3 seeds, as `fair_fight.py` runs them, "
              "against the runs the fair fight stored. Quality: mean ± standard deviation over the "
              "seeds (each seed's), and each seed's steps.", "",
-             "| bench | S | stored (code) | rerun (code, date) | identical seeds |", "|---|---|---|---|---|"]
+             "| bench | S | stored, Horovod (code) | rerun (engine, code, date) | identical seeds |",
+             "|---|---|---|---|---|"]
     for bench, S in sorted({(r["bench"], r["S"]) for r in reruns}):
         policy = fair_fight.BENCHES[bench]["adascale"]
-        for code in sorted({r["code"] for r in reruns if (r["bench"], r["S"]) == (bench, S)}):
-            new = sorted((r for r in reruns if (r["bench"], r["S"], r["code"]) == (bench, S, code)),
-                         key=lambda r: r["seed"])
+        for engine, code in sorted({(_engine(r), r["code"]) for r in reruns
+                                    if (r["bench"], r["S"]) == (bench, S)},
+                                   key=lambda ec: (ec[0] != "horovod", min(
+                                       r["date"] for r in reruns if (_engine(r), r["code"]) == ec))):
+            new = sorted((r for r in reruns if (r["bench"], r["S"], _engine(r), r["code"])
+                          == (bench, S, engine, code)), key=lambda r: r["seed"])
             old = []
             for r in new:
-                match = [x for x in stored if fair_fight.key(x) == fair_fight.key(r)
+                match = [x for x in stored if fair_fight.key(x) == fair_fight.key({**r, "engine": "horovod"})
                          and "error" not in x]
                 if match:
                     old.append(match[-1])
             same = sum(1 for a, b in zip(old, new) if a["quality"] == b["quality"]
                        and a["steps"] == b["steps"] and a["progress"] == b["progress"])
             lines.append(f"| {bench} ({policy}) | {S} | {_cell(old)} ({old[0]['code'][:8]}) | "
-                         f"{_cell(new)} ({code[:8]}, {new[-1]['date']}) | {same} of {len(new)} |")
+                         f"{_cell(new)} ({engine}, {code[:8]}, {new[-1]['date']}) | {same} of {len(new)} |")
     lines += ["", "- rerun: `.venv/bin/python benchmarks/rerun_adascale.py --bench b1 --scales "
-              "16,64` and `--bench b4 --scales 32`"]
+              "16,64` and `--bench b4 --scales 32` (`--engine ddp`: torchrun and DDP)"]
     return "\n".join(lines) + "\n"
 
 
@@ -64,27 +80,33 @@ def main(argv=None) -> int:
     p.add_argument("--bench", choices=sorted(fair_fight.BENCHES), required=True)
     p.add_argument("--scales", required=True, help="S to rerun, e.g. 16,64")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--engine", choices=["horovod", "ddp"], default="horovod")
+    p.add_argument("--source", type=pathlib.Path, default=fair_fight.ROOT,
+                   help="the checkout to run and hash (default this one; a `git archive` of a commit "
+                        "where others edit the working tree: a snapshot may catch a half-made edit)")
+    p.add_argument("--seeds", default=",".join(map(str, range(fair_fight.SEEDS))),
+                   help="the seeds to run here, e.g. 1 (separate processes may run the others)")
     args = p.parse_args(argv)
     bench = fair_fight.BENCHES[args.bench]
-    code = fair_fight.code_hash(bench)
-    reruns = json.loads(STORE.read_text())["runs"] if STORE.exists() else []
-    snapshot, _ = b4.snapshot(fair_fight.ROOT)
+    code = fair_fight.code_hash(bench, args.source)
+    reruns = _load()
+    snapshot, _ = b4.snapshot(args.source)
     for S in (int(s) for s in args.scales.split(",")):
-        for seed in range(fair_fight.SEEDS):
+        for seed in (int(s) for s in args.seeds.split(",")):
             spec = {"policy": bench["adascale"], "S": S, "seed": seed, "lr": bench["lr"],
                     "budget": bench["budget"]}
-            if any(fair_fight.key(r) == fair_fight.key({"bench": args.bench, **spec})
+            if any(fair_fight.key(r) == fair_fight.key({"bench": args.bench, **spec, "engine": args.engine})
                    and r["code"] == code for r in reruns):
                 continue
             row = fair_fight.run(args.bench, **spec, snapshot=snapshot, code=code,
-                                 timeout=args.timeout)
+                                 timeout=args.timeout, engine=args.engine)
             b4.log(f"{args.bench} S {S} seed {seed}: " + (row.get("error") or
                    f"{row['quality']:.2f} in {row['steps']} steps"))
             if "error" in row:
                 return 1
-            reruns.append(row)
+            reruns = _load() + [row]  # another rerun may have stored runs meanwhile
             STORE.write_text(json.dumps({"runs": reruns}, indent=1))
-    REPORT.write_text(report(reruns))
+    REPORT.write_text(report(_load()))
     print(REPORT.read_text())
     return 0
 

@@ -1,6 +1,11 @@
 """Train a small 1-D CNN on MNIST-1D with Horovod and an hvd_scale policy.
 
     horovodrun --gloo -np 2 -H localhost:2 python examples/torch_mnist1d.py --policy adascale
+    torchrun --nproc-per-node 2 examples/torch_mnist1d.py --policy adascale --engine ddp
+
+With --engine ddp the model is a DistributedDataParallel on torch.distributed (Gloo, from
+torchrun's environment) and the optimizer hvd_scale's DDP one (hvd_scale.adapters.torch.ddp): the
+first k - 1 passes of a step under no_sync(), the data dealt by rank and world size as Horovod's.
 
 The baseline (S = 1) schedule is written once, in baseline steps: lr, then x0.1 at 50% and 75% of
 the budget. Every policy runs it in scale-invariant iterations, lr(floor(tau)) x factor, and stops
@@ -10,6 +15,7 @@ when tau reaches the budget, so runs at different scales and with different poli
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -40,6 +46,8 @@ def make_model() -> torch.nn.Module:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["horovod", "ddp"], default="horovod",
+                   help="horovod (horovodrun) or ddp (torchrun: torch.distributed, Gloo)")
     p.add_argument("--policy", default=None, help="policy spec (default: $HVD_SCALE_POLICY or adascale)")
     p.add_argument("--batch-size", type=int, default=32, help="micro-batch per worker and pass")
     p.add_argument("--baseline-batch", type=int, default=None, help="B0 (default: --batch-size)")
@@ -76,24 +84,38 @@ def evaluate(model, x, y) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    hvd.init()
+    if args.engine == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hvd_scale.adapters.torch import ddp
+
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+    else:
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(args.seed)
     data = mnist1d_data.load(args.samples)
 
     model = make_model()
     baseline = args.baseline_batch or args.batch_size
-    scale = hvd.size() * args.accumulate * args.batch_size / baseline
-    opt = DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
-        named_parameters=model.named_parameters(), policy=args.policy,
-        backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget,
-        guard=SharpnessGuard(args.guard_every, margin=args.guard_margin) if args.guard_every else None,
-        adapt=args.adapt, max_passes=args.max_passes)
-    broadcast_state(model, opt)
+    scale = size * args.accumulate * args.batch_size / baseline
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    kw = dict(policy=args.policy, backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget,
+              guard=SharpnessGuard(args.guard_every, margin=args.guard_margin) if args.guard_every else None,
+              adapt=args.adapt, max_passes=args.max_passes)
+    if args.engine == "ddp":  # DDP broadcasts the weights when it wraps the model
+        net = DistributedDataParallel(model)  # trains; model (its module) evaluates
+        opt = ddp.DistributedOptimizer(inner, net, **kw)
+    else:
+        net = model
+        opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(), **kw)
+        broadcast_state(model, opt)
     schedule = schedules.StepDecay(args.lr, milestones=[int(0.5 * args.budget), int(0.75 * args.budget)])
-    batches = mnist1d_data.shard_batches(data["x"], data["y"], args.batch_size, hvd.rank(),
-                                         hvd.size(), seed=args.seed)
+    batches = mnist1d_data.shard_batches(data["x"], data["y"], args.batch_size, rank, size,
+                                         seed=args.seed)
     loss_fn = torch.nn.CrossEntropyLoss()
     gains, sharpness, capped, guard_steps, plain_steps = [], [], 0, [], []
     # (training seconds without the evaluations, tau, steps, test accuracy): time to accuracy.
@@ -109,12 +131,14 @@ def main(argv=None) -> dict:
                     group["momentum"] = mu
                     group["lr"] *= (1 - mu) / (1 - args.momentum)
             opt.zero_grad()
-            for _ in range(opt.backward_passes_per_step):  # adapt='goodput' may change it
+            k = opt.backward_passes_per_step  # adapt='goodput' may change it
+            for i in range(k):
                 x, y = next(batches)
                 # Each micro-batch's mean loss, not divided by k: hvd_scale applies the mean of the
-                # k micro-gradients (as Keras does).
-                loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
-                loss.backward()
+                # k micro-gradients (as Keras does). DDP: the first k - 1 passes unsynchronized.
+                with net.no_sync() if args.engine == "ddp" and i < k - 1 else contextlib.nullcontext():
+                    loss = loss_fn(net(torch.from_numpy(x)), torch.from_numpy(y))
+                    loss.backward()
             due, t0 = opt.scaling.guard_due(), time.perf_counter()
             # With --guard-every: the guard's steps take the Hessian of this batch's loss.
             opt.step(guard_loss=lambda: loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)))
@@ -130,17 +154,17 @@ def main(argv=None) -> dict:
                               evaluate(model, data["x_test"], data["y_test"])))
                 eval_seconds += time.perf_counter() - t0
                 next_eval = (math.floor(opt.progress / args.eval_every) + 1) * args.eval_every
-            if hvd.rank() == 0 and args.log_every and opt.steps % args.log_every == 0:
+            if rank == 0 and args.log_every and opt.steps % args.log_every == 0:
                 print(f"step {opt.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
                       f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.4f}  loss {loss.item():.3f}",
                       flush=True)
     except FloatingPointError as e:  # hvd_scale stops a run whose steps all overflow
         diverged = True
-        if hvd.rank() == 0:
+        if rank == 0:
             print(f"diverged: {e}", flush=True)
     elapsed = time.perf_counter() - start - eval_seconds
     summary = {
-        "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
+        "rank": rank, "policy": opt.policy.spec, "scale": opt.scale, "workers": size,
         "accumulate": args.accumulate, "final_passes": opt.backward_passes_per_step, "steps": opt.steps, "progress": opt.progress,
         "test_accuracy": evaluate(model, data["x_test"], data["y_test"]),
         "mean_gain": float(np.mean(gains)) if gains else 1.0, "seconds": elapsed, "seed": args.seed,
@@ -150,11 +174,13 @@ def main(argv=None) -> dict:
         "capped_steps": capped, "max_sharpness": float(np.max(sharpness)) if args.guard_every else math.nan,
         "guard_seconds": sum(guard_steps) - len(guard_steps) * float(np.median(plain_steps or [0])),
     }
-    if hvd.rank() == 0:
+    if rank == 0:
         print(f"done: policy {summary['policy']}, S = {summary['scale']:g}, {summary['steps']} steps "
               f"(tau {summary['progress']:.0f}), test accuracy {summary['test_accuracy']:.3f}, "
               f"mean gain {summary['mean_gain']:.2f}, {elapsed:.1f} s", flush=True)
     print_result(summary)
+    if args.engine == "ddp":
+        dist.destroy_process_group()
     return summary
 
 

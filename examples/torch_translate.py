@@ -1,6 +1,11 @@
 """Train a small encoder-decoder Transformer with Adam on a generated translation task; BLEU at the end.
 
     horovodrun --gloo -np 2 -H localhost:2 python examples/torch_translate.py --policy adascale_adam
+    torchrun --nproc-per-node 2 examples/torch_translate.py --policy adascale_adam --engine ddp
+
+With --engine ddp the model is a DistributedDataParallel on torch.distributed (Gloo, from
+torchrun's environment) and the optimizer hvd_scale's DDP one (hvd_scale.adapters.torch.ddp): the
+first k - 1 passes of a step under no_sync(), the data dealt by rank and world size as Horovod's.
 
 The task is examples/translation_data.py (vocabulary mapping, SVO -> SOV reordering, agreement).
 The baseline (S = 1) schedule is written once, in baseline steps: a linear warm-up over the first
@@ -16,6 +21,7 @@ BLEU is word-level 4-gram BLEU on exactly those words. Every rank prints a `RESU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -134,6 +140,8 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["horovod", "ddp"], default="horovod",
+                   help="horovod (horovodrun) or ddp (torchrun: torch.distributed, Gloo)")
     p.add_argument("--policy", default=None, help="policy spec (default: $HVD_SCALE_POLICY or adascale)")
     p.add_argument("--batch-size", type=int, default=32, help="micro-batch (sentences) per worker and pass")
     p.add_argument("--baseline-batch", type=int, default=None, help="B0 (default: --batch-size)")
@@ -167,7 +175,17 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    hvd.init()
+    if args.engine == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hvd_scale.adapters.torch import ddp
+
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+    else:
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(args.seed)
     data = td.load(args.train_size, args.test_size)
@@ -177,19 +195,28 @@ def main(argv=None) -> dict:
                        heads=args.heads, layers=args.layers, ff=args.ff,
                        checkpointing=args.checkpointing)
     baseline = args.baseline_batch or args.batch_size
-    scale = hvd.size() * args.accumulate * args.batch_size / baseline
+    scale = size * args.accumulate * args.batch_size / baseline
     inner = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9) \
         if args.optimizer == "adam" else \
         torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9,
                           weight_decay=args.weight_decay)
-    opt = DistributedOptimizer(
-        inner,
-        named_parameters=model.named_parameters(), policy=args.policy,
-        backward_passes_per_step=args.accumulate, scale=scale, budget=args.budget,
-        adapt=args.adapt, max_passes=args.max_passes)
-    broadcast_state(model, opt)
+    kw = dict(policy=args.policy, backward_passes_per_step=args.accumulate, scale=scale,
+              budget=args.budget, adapt=args.adapt, max_passes=args.max_passes)
+    if args.engine == "ddp":  # DDP broadcasts the weights when it wraps the model
+        # Horovod's broadcast_state (hvd.broadcast_optimizer_state) makes the optimizer's state
+        # with a step on zero gradients: Adam's step count starts at 1 (its bias correction one
+        # step ahead, the first step ~0.74 x lr). The same here, so that the engines' runs agree.
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        net = DistributedDataParallel(model)  # trains; model (its module) decodes
+        opt = ddp.DistributedOptimizer(inner, net, **kw)
+    else:
+        net = model
+        opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(), **kw)
+        broadcast_state(model, opt)
     schedule = WarmupCosine(args.lr, warmup=max(1, int(args.warmup * args.budget)), total=int(args.budget))
-    batches = td.shard_batches(data["src"], data["tgt"], args.batch_size, hvd.rank(), hvd.size(),
+    batches = td.shard_batches(data["src"], data["tgt"], args.batch_size, rank, size,
                                seed=args.seed)
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=td.PAD, label_smoothing=args.label_smoothing)
     max_steps = args.max_steps or int(4 * args.budget)
@@ -203,33 +230,35 @@ def main(argv=None) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(schedule, opt.progress)  # the baseline lr at floor(tau)
         opt.zero_grad()
-        for _ in range(opt.backward_passes_per_step):  # adapt='goodput' may change it
+        k = opt.backward_passes_per_step  # adapt='goodput' may change it
+        for i in range(k):
             src, tgt = (torch.from_numpy(a) for a in next(batches))
-            logits = model(src, tgt[:, :-1])
             # Each micro-batch's mean loss, not divided by k: hvd_scale applies the mean of the
-            # k micro-gradients.
-            loss = loss_fn(logits.reshape(-1, logits.shape[-1]), tgt[:, 1:].reshape(-1))
-            loss.backward()
+            # k micro-gradients. DDP: the first k - 1 passes unsynchronized.
+            with net.no_sync() if args.engine == "ddp" and i < k - 1 else contextlib.nullcontext():
+                logits = net(src, tgt[:, :-1])
+                loss = loss_fn(logits.reshape(-1, logits.shape[-1]), tgt[:, 1:].reshape(-1))
+                loss.backward()
         opt.step()
         opt.log_loss(loss.detach())  # the step just taken's row
         gains.append(opt.gain)
         losses.append(loss.item())
         if args.eval_every and opt.progress >= next_eval:
             t0 = time.perf_counter()
-            if hvd.rank() == 0:
+            if rank == 0:
                 curve.append((t0 - start - eval_seconds, opt.progress, opt.steps,
                               held_out_bleu(model, data)[0]))
             eval_seconds += time.perf_counter() - t0
             next_eval = (math.floor(opt.progress / args.eval_every) + 1) * args.eval_every
-        if hvd.rank() == 0 and args.log_every and opt.steps % args.log_every == 0:
+        if rank == 0 and args.log_every and opt.steps % args.log_every == 0:
             print(f"step {opt.steps:5d}  tau {opt.progress:8.1f}/{args.budget:g}  "
                   f"gain {opt.gain:5.2f}  lr {group['lr'] * opt.lr_factor:.5f}  loss {loss.item():.3f}",
                   flush=True)
     elapsed = time.perf_counter() - start - eval_seconds
 
-    score, sample = held_out_bleu(model, data) if hvd.rank() == 0 else (None, None)
+    score, sample = held_out_bleu(model, data) if rank == 0 else (None, None)
     summary = {
-        "rank": hvd.rank(), "policy": opt.policy.spec, "scale": opt.scale, "workers": hvd.size(),
+        "rank": rank, "policy": opt.policy.spec, "scale": opt.scale, "workers": size,
         "accumulate": args.accumulate, "final_passes": opt.backward_passes_per_step,
         "optimizer": args.optimizer, "steps": opt.steps, "progress": opt.progress,
         "skipped": opt.skipped, "bleu": score,
@@ -239,11 +268,13 @@ def main(argv=None) -> dict:
         "checkpointing": args.checkpointing, "sample": sample,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
     }
-    if hvd.rank() == 0:
+    if rank == 0:
         print(f"done: policy {summary['policy']}, S = {summary['scale']:g}, {summary['steps']} steps "
               f"(tau {summary['progress']:.0f}), BLEU {score:.2f}, mean gain {summary['mean_gain']:.2f}, "
               f"{elapsed:.1f} s", flush=True)
     print_result(summary)
+    if args.engine == "ddp":
+        dist.destroy_process_group()
     return summary
 
 
