@@ -118,15 +118,16 @@ class DistributedOptimizer(TorchOptimizer):
     """Wrap any torch optimizer of a ``DistributedDataParallel`` model: an lr scaling policy
     whose statistics ride DDP's gradient allreduce.
 
+    ``policy``, ``backward_passes_per_step``, ``scale``, ``budget``, ``grad_scaler``,
+    ``measure``, ``log_dir``, ``nonfinite``, ``guard``, ``adapt``, ``max_passes`` and
+    ``adapt_every`` are those of Horovod's (``hvd_scale.adapters.torch.DistributedOptimizer``).
+    With k > 1, run the first k - 1 backward passes of a step under ``model.no_sync()`` (DDP's
+    accumulation); a short step (fewer passes, a leftover batch) counts the passes taken.
+
     Args:
         optimizer: the plain torch optimizer over the DDP model's parameters.
         model: the ``DistributedDataParallel`` model (or ``torch.compile(ddp_model)``); its
             process group is the job (S, n and the agreement are the group's).
-        policy, backward_passes_per_step, scale, budget, grad_scaler, measure, log_dir,
-            nonfinite, guard, adapt, max_passes, adapt_every: as for Horovod's
-            (``hvd_scale.adapters.torch.DistributedOptimizer``). With k > 1, run the first
-            k - 1 backward passes of a step under ``model.no_sync()`` (DDP's accumulation); a
-            short step (fewer passes, a leftover batch) counts the passes taken.
         comm_hook: a DDP communication hook of your own, ``hook`` or ``(state, hook)`` (e.g.
             ``default_hooks.fp16_compress_hook``): the statistics compose with it (norms
             before it, |g_bar|^2 of what it returns), as torch's ``fp16_compress_wrapper``
