@@ -83,12 +83,15 @@ class TorchDistributedBinding:
 
     def __init__(self, group=None):
         self.group = group
+        # Fixed for the process's life (torchrun restarts processes to resize), and read after
+        # the script's dist.destroy_process_group() too: the metrics log's flush at exit.
+        self._size, self._rank = dist.get_world_size(group), dist.get_rank(group)
 
     def size(self) -> int:
-        return dist.get_world_size(self.group)
+        return self._size
 
     def rank(self) -> int:
-        return dist.get_rank(self.group)
+        return self._rank
 
     def allgather_object(self, obj, name=None) -> list:
         out = [None] * self.size()

@@ -117,7 +117,7 @@ def main():
                     restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), **row)
         if args.sleep:
             time.sleep(args.sleep)
-    # No dist.destroy_process_group(): the metrics logger's atexit flush asks the group's rank.
+    dist.destroy_process_group()  # as DDP scripts end: the metrics log is flushed after it
     return 0
 
 
