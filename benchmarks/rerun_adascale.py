@@ -41,7 +41,9 @@ def _cell(rows: list[dict]) -> str:
     spread = statistics.stdev(quality) if len(quality) > 1 else 0.0
     return (f"{statistics.mean(quality):.2f} ± {spread:.2f} "
             f"({' / '.join(f'{q:.2f}' for q in quality)}); steps "
-            f"{' / '.join(str(r['steps']) for r in rows)}")
+            f"{' / '.join(str(r['steps']) for r in rows)} (mean "
+            f"{statistics.mean(r['steps'] for r in rows):.0f}, gain "
+            f"{statistics.mean(r['mean_gain'] for r in rows):.2f})")
 
 
 def report(reruns: list[dict]) -> str:
@@ -49,7 +51,7 @@ def report(reruns: list[dict]) -> str:
     lines = ["# AdaScale's fair-fight cells rerun at later code", "",
              "Untuned AdaScale (the bench's baseline lr), 3 seeds, as `fair_fight.py` runs them, "
              "against the runs the fair fight stored. Quality: mean ± standard deviation over the "
-             "seeds (each seed's), and each seed's steps.", "",
+             "seeds (each seed's), and each seed's steps (their mean, and the mean gain).", "",
              "| bench | S | stored, Horovod (code) | rerun (engine, code, date) | identical seeds |",
              "|---|---|---|---|---|"]
     for bench, S in sorted({(r["bench"], r["S"]) for r in reruns}):
