@@ -104,12 +104,19 @@ def default_smoothing(scale: float) -> float:
     return DEFAULT_DECAY ** scale
 
 
-def estimate_moments(sqnorm_sum, mean_sqnorm, n: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+def estimate_moments(sqnorm_sum, mean_sqnorm, n: int, scale: float,
+                     samples: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One step's unbiased (sigma2_hat, mu2_hat), per parameter group; mu2_hat may be < 0 (the
     EMA takes it as it is; ``summed_moments`` clips when reading).
 
     sqnorm_sum: sum over the n micro-gradients of |g_i|^2 (summed over all workers).
     mean_sqnorm: |g_bar|^2 of their average.
+    samples: the independent samples sqnorm_sum sums over (None: the n micro-gradients). With
+        per-worker statistics, W workers each read once: sqnorm_sum = sum_w |G_w|^2 / k_w, G_w
+        the sum of worker w's k_w passes (sum_w k_w = n), and samples = W. Then
+        E[sqnorm_sum] = n mu_b^2 + W V (V: one micro-gradient's variance, mu_b^2 = |E g|^2) and
+        E[n q] = n mu_b^2 + V, so E[m - q] = (W - 1) V / n for any k_w: the same estimator with
+        samples - 1 in place of n - 1 (at W = n, today's).
     """
     sqnorm_sum = _as_stat("sqnorm_sum", sqnorm_sum)
     mean_sqnorm = _as_stat("mean_sqnorm", mean_sqnorm)
@@ -124,10 +131,15 @@ def estimate_moments(sqnorm_sum, mean_sqnorm, n: int, scale: float) -> tuple[np.
             f"n = {n} micro-gradients give no variance estimate (need n >= 2; got scale {scale}): "
             "use at least 2 workers or backward_passes_per_step >= 2, or a fixed policy "
             "(none, linear, sqrt, warmup)")
+    samples = n if samples is None else int(samples)
+    if not 2 <= samples <= n:
+        raise ValueError(f"samples = {samples!r}: the independent samples of a step's statistics "
+                         f"must be between 2 and its n = {n} micro-gradients")
     m = sqnorm_sum / n
     q = mean_sqnorm
-    sigma2 = np.maximum(scale * (m - q) / (n - 1), SIGMA2_FLOOR * m)
-    mu2 = (n * q - m) / (n - 1)
+    # sigma2 = S V / n (a baseline batch is n / S micro-batches) and E[m - q] = (samples - 1) V / n
+    sigma2 = np.maximum(scale * (m - q) / (samples - 1), SIGMA2_FLOOR * m)
+    mu2 = (samples * q - m) / (samples - 1)  # q - sigma2_hat / S unfloored: E[q] = mu2 + V / n
     return sigma2, mu2
 
 
@@ -218,14 +230,14 @@ def ema_update(state: EstimatorState, sigma2: np.ndarray, mu2: np.ndarray,
 
 
 def fold(state: EstimatorState, sqnorm_sum, mean_sqnorm, n: int, scale: float,
-         theta: float) -> EstimatorState:
+         theta: float, samples: int | None = None) -> EstimatorState:
     """The estimator's state after one step's statistics at scale S (``estimate_moments``, then
-    ``ema_update``). At S = 1 with one micro-gradient nothing is estimated (the gain is 1); the
-    statistics are still checked. Bad input raises ValueError."""
+    ``ema_update``; ``samples``: per-worker statistics). At S = 1 with one micro-gradient nothing
+    is estimated (the gain is 1); the statistics are still checked. Bad input raises ValueError."""
     if scale == 1.0 and int(n) == 1:
         _as_stat("sqnorm_sum", sqnorm_sum), _as_stat("mean_sqnorm", mean_sqnorm)
         return state
-    sigma2, mu2 = estimate_moments(sqnorm_sum, mean_sqnorm, n, scale)
+    sigma2, mu2 = estimate_moments(sqnorm_sum, mean_sqnorm, n, scale, samples)
     return ema_update(state, sigma2, mu2, theta)
 
 
@@ -272,14 +284,16 @@ class GainEstimator:
         self.state = EstimatorState()
 
     # -- the update ---------------------------------------------------------------------------
-    def update(self, sqnorm_sum, mean_sqnorm, n: int) -> float:
-        """Fold one step's statistics into the smoothed estimates and return the new gain.
+    def update(self, sqnorm_sum, mean_sqnorm, n: int, samples: int | None = None) -> float:
+        """Fold one step's statistics into the smoothed estimates and return the new gain
+        (``samples``: per-worker statistics, ``estimate_moments``).
 
         With S = 1 the gain is exactly 1 and nothing is estimated (n may then be 1).
         Bad input (NaN, Inf, negative norms, n < 2 with S > 1, a changed number of groups)
         raises ValueError and leaves the state untouched.
         """
-        self.state = fold(self.state, sqnorm_sum, mean_sqnorm, n, self._scale, self.smoothing)
+        self.state = fold(self.state, sqnorm_sum, mean_sqnorm, n, self._scale, self.smoothing,
+                          samples)
         return self.gain
 
     # -- what it knows ------------------------------------------------------------------------

@@ -519,3 +519,42 @@ def test_engine_imports_no_framework():
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- #50: per-worker statistics (estimate_moments' samples) ------------------------------------
+
+def test_per_worker_statistics_are_unbiased_with_unequal_passes():
+    """W = 4 workers taking 1, 2, 3 and 6 passes (n = 12): each reads its summed gradient once,
+    |G_w|^2 / k_w, and the engine's estimator with samples = W is unbiased for sigma2 and mu2
+    (a Monte Carlo mean within 5 standard errors of the truth); handed as n independent
+    micro-gradients (samples omitted) the same numbers are far off."""
+    rng = np.random.default_rng(50)
+    dims, passes, scale, trials = 16, np.array([1, 2, 3, 6]), 12.0, 4000
+    mu = np.full(dims, 0.25)  # |mu|^2 = 1
+    noise = 0.5  # per coordinate, one micro-gradient: V = dims * noise^2 = 4, sigma2 = S V / n = 4
+    n = int(passes.sum())
+    sigma2, mu2, naive = [], [], []
+    for _ in range(trials):
+        grads = mu + noise * rng.standard_normal((n, dims))
+        sums = np.split(grads, np.cumsum(passes)[:-1])
+        sqnorm_sum = sum(np.sum(G.sum(0) ** 2) / len(G) for G in sums)
+        q = np.sum(grads.mean(0) ** 2)
+        s2, m2 = estimate_moments(sqnorm_sum, q, n, scale, samples=len(passes))
+        sigma2.append(s2[0]), mu2.append(m2[0])
+        naive.append(estimate_moments(sqnorm_sum, q, n, scale)[0][0])
+    for values, truth in ((sigma2, 4.0), (mu2, 1.0)):
+        error = np.std(values) / np.sqrt(trials)
+        assert abs(np.mean(values) - truth) < 5 * error, (np.mean(values), truth, error)
+    assert np.mean(naive) < 0.5 * 4.0  # (W - 1) / (n - 1) of it: the samples matter
+
+
+def test_samples_equal_to_n_is_todays_estimator_bit_for_bit():
+    args = (np.array([8.0, 3.0]), np.array([1.25, 0.5]), 4, 4.0)
+    for got, expected in zip(estimate_moments(*args, samples=4), estimate_moments(*args)):
+        assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("samples", [1, 5, 0])
+def test_samples_outside_two_to_n_are_refused(samples):
+    with pytest.raises(ValueError, match=f"samples = {samples}.*between 2 and its n = 4"):
+        estimate_moments(8.0, 1.25, 4, 4.0, samples=samples)
