@@ -224,10 +224,9 @@ def drive(args, argv) -> int:
         "(momentum 0.9) on a `DistributedDataParallel` model, the first k - 1 passes under "
         "`no_sync()`; none / adascale: `hvd_scale.adapters.torch.ddp.DistributedOptimizer` over the "
         "same; fairscale: fairscale 0.4.13's `AdaScale` over DDP (k = 1 only).", "",
-        "**The machine was shared during these runs**: 2 cores, other engineers' jobs running "
-        "(the 1-minute load average before and after each job is listed below, against 2 cores); "
-        "absolute milliseconds are those of a loaded machine and move between jobs, the paired "
-        "ratios are what to read.", "",
+        "The 1-minute load average before and after each job is listed below (2 cores; the "
+        "job's own 2 processes count in it: above ~2.5, other work shared the cores and the "
+        "absolute milliseconds move between jobs); the paired ratios are what to read.", "",
         "| model | k | DDP ms (job 1) | none / DDP | spread | adascale / DDP | spread | fairscale / DDP | spread |",
         "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
