@@ -26,46 +26,22 @@ The recipe (``train``):
 each micro-batch's mean loss and divides by the passes itself, hence the product (the same
 as ``loss.backward()`` without mixed precision). ``--compare`` then trains the same model on the
 same micro-batches in a plain DDP loop with hvd_scale's DDP optimizer, and each rank prints one
-``RESULT {json}`` line per run (tests/test_ddp_accelerate.py compares them).
+``RESULT {json}`` line per run (tests/test_ddp_integrations.py compares them).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, TensorDataset
+from ddp_reference import BATCH, LR, dataset, network, plain_run, record, weights
+from torch.utils.data import DataLoader
 
 from hvd_scale.adapters.torch.ddp import DistributedOptimizer
-
-BATCH = 16
-LR = 0.05
-
-
-def dataset(samples: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, 8, dtype=torch.float64, generator=g)
-    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()  # 3 classes, learnable
-    flip = torch.rand(samples, generator=g) < 0.2             # with noise: sigma2 > 0
-    return TensorDataset(x, torch.where(flip, torch.randint(0, 3, (samples,), generator=g), y))
-
-
-def network() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 3)).double()
-
-
-def record(opt, seen: list, rows: list) -> None:
-    rows.append({"gain": opt.gain, "lr_factor": opt.lr_factor, "lr": seen[-1],
-                 "progress": opt.progress, "sigma2": opt.sigma2, "mu2": opt.mu2,
-                 "steps": opt.steps})
-
 
 def train(accelerator, policy, samples):
     """The recipe; the lr the SGD sees is recorded (a step pre-hook on it)."""
@@ -90,33 +66,6 @@ def train(accelerator, policy, samples):
     return accelerator.unwrap_model(model), rows, hvd_opt.scale
 
 
-def plain_run(policy, k, samples):
-    """The same training in a plain DDP loop, on Accelerate's shards: rank r takes batches
-    r, r + W, ... of the loader."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(network())
-    sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    seen, rows = [], []
-    sgd.register_step_pre_hook(lambda o, a, kw: seen.append(o.param_groups[0]["lr"]))
-    opt = DistributedOptimizer(sgd, model, policy, backward_passes_per_step=k)
-    batches = list(DataLoader(dataset(samples), batch_size=BATCH))
-    batches = batches[dist.get_rank()::dist.get_world_size()]
-    for start in range(0, len(batches), k):
-        step = batches[start:start + k]
-        for i, (x, y) in enumerate(step):
-            with model.no_sync() if i < len(step) - 1 else contextlib.nullcontext():
-                F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        record(opt, seen, rows)
-    return model.module, rows
-
-
-def weights(net) -> list[float]:
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--policy", default="adascale")
@@ -132,7 +81,10 @@ def main():
         net, rows, scale = train(accelerator, args.policy, samples)
         if not args.compare:
             continue
-        plain_net, plain_rows = plain_run(args.policy, k, samples)
+        # Accelerate's shards: rank r takes batches r, r + W, ... of the loader
+        shards = list(DataLoader(dataset(samples), batch_size=BATCH))[
+            dist.get_rank()::dist.get_world_size()]
+        plain_net, plain_rows = plain_run(args.policy, k, shards)
         for run, n, r in (("accelerate", net, rows), ("plain", plain_net, plain_rows)):
             print("RESULT " + json.dumps({"rank": accelerator.process_index, "run": run, "k": k,
                                           "scale": scale, "rows": r, "weights": weights(n)}),

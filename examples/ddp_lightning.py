@@ -9,40 +9,22 @@ policy's lr factor is applied at each step (the lr the SGD sees is printed, from
 on it). ``--compare`` then trains the same model on the same micro-batches in a plain DDP loop
 with hvd_scale's DDP optimizer (the loop of docs/ddp.md), and each rank prints one
 ``RESULT {json}`` line per run, with per-step gain, lr factor, lr seen, tau, sigma2, mu2 and the
-weights after (tests/test_ddp_lightning.py compares them).
+weights after (tests/test_ddp_integrations.py compares them).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from ddp_reference import BATCH, LR, dataset, network, plain_run, record, weights
+from torch.utils.data import DataLoader, DistributedSampler
 
 from hvd_scale.adapters.torch.lightning import DDPStrategy
-
-BATCH = 16
-LR = 0.05
-
-
-def dataset(samples: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, 8, dtype=torch.float64, generator=g)
-    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()  # 3 classes, learnable
-    flip = torch.rand(samples, generator=g) < 0.2             # with noise: sigma2 > 0
-    return TensorDataset(x, torch.where(flip, torch.randint(0, 3, (samples,), generator=g), y))
-
-
-def network() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 3)).double()
-
 
 class Classifier(pl.LightningModule):
     def __init__(self):
@@ -56,12 +38,6 @@ class Classifier(pl.LightningModule):
     def configure_optimizers(self):
         self.sgd = torch.optim.SGD(self.parameters(), lr=LR)  # kept: Rows watches its lr
         return self.sgd
-
-
-def record(opt, seen: list, rows: list) -> None:
-    rows.append({"gain": opt.gain, "lr_factor": opt.lr_factor, "lr": seen[-1],
-                 "progress": opt.progress, "sigma2": opt.sigma2, "mu2": opt.mu2,
-                 "steps": opt.steps})
 
 
 class Rows(pl.Callback):
@@ -95,36 +71,6 @@ def lightning_run(args, loader):
     return module.net, rows.rows, opt.scale
 
 
-def plain_run(args, samples):
-    """The same training in a plain DDP loop (torch.distributed is up: Lightning started it)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from hvd_scale.adapters.torch.ddp import DistributedOptimizer
-
-    k = args.accumulate
-    model = DistributedDataParallel(network())
-    sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    seen, rows = [], []
-    sgd.register_step_pre_hook(lambda o, a, kw: seen.append(o.param_groups[0]["lr"]))
-    opt = DistributedOptimizer(sgd, model, args.policy, backward_passes_per_step=k)
-    data = dataset(samples)  # the sampler Lightning puts in a training loader (epoch 0)
-    loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=True, seed=0))
-    batches = list(loader)
-    for start in range(0, len(batches), k):
-        step = batches[start:start + k]
-        for i, (x, y) in enumerate(step):
-            with model.no_sync() if i < len(step) - 1 else contextlib.nullcontext():
-                F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        record(opt, seen, rows)
-    return model.module, rows
-
-
-def weights(net) -> list[float]:
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--policy", default="adascale")
@@ -140,7 +86,10 @@ def main():
         net, rows, scale = lightning_run(args, loader)
         if not args.compare:
             continue
-        plain_net, plain_rows = plain_run(args, samples)
+        data = dataset(samples)  # the sampler Lightning puts in a training loader (epoch 0)
+        shards = list(DataLoader(data, batch_size=BATCH,
+                                 sampler=DistributedSampler(data, shuffle=True, seed=0)))
+        plain_net, plain_rows = plain_run(args.policy, k, shards)
         for run, n, r in (("lightning", net, rows), ("plain", plain_net, plain_rows)):
             print("RESULT " + json.dumps({"rank": dist.get_rank(), "run": run, "k": k,
                                           "scale": scale, "rows": r, "weights": weights(n)}),

@@ -1,5 +1,5 @@
 """Lightning's DDP strategy with hvd_scale's DDP optimizer (``ddp.py``): automatic optimization,
-``accumulate_grad_batches`` and lr schedulers keep working (tests/test_ddp_lightning.py; saving
+``accumulate_grad_batches`` and lr schedulers keep working (tests/test_ddp_integrations.py; saving
 and resuming through Lightning's checkpoints is not tested yet).
 
     from hvd_scale.adapters.torch.lightning import DDPStrategy
