@@ -78,6 +78,19 @@ code daa9c3e, before this engine existed; fairscale's AdaScale over DDP against 
 
 
 # -- one job (under torchrun) -------------------------------------------------------------------
+def ddp_step(kind, model, opt, xs, ys, k, loss_fn) -> None:
+    """One step of k passes on a DDP model, the first k - 1 under ``no_sync()`` (also
+    benchmarks/gpu.py's): plain DDP ("ddp") takes the mean of the passes' losses, hvd_scale's
+    optimizer each micro-batch's mean loss (it averages over the passes itself)."""
+    divide = kind == "ddp" and k > 1
+    opt.zero_grad()
+    for j in range(k):
+        with model.no_sync() if j < k - 1 else contextlib.nullcontext():
+            loss = loss_fn(model(xs[j]), ys[j])
+            (loss / k if divide else loss).backward()
+    opt.step()
+
+
 def job(args) -> int:
     import torch
     import torch.distributed as dist
@@ -116,16 +129,7 @@ def job(args) -> int:
             ys = [torch.randint(0, 10, (args.batch,), generator=g) for _ in range(k)]
 
             def step_of(kind, model, opt, k=k, xs=xs, ys=ys):
-                divide = kind == "ddp" and k > 1  # plain DDP's accumulation: the mean of k passes
-
-                def step():
-                    opt.zero_grad()
-                    for j in range(k):
-                        with model.no_sync() if j < k - 1 else contextlib.nullcontext():
-                            loss = loss_fn(model(xs[j]), ys[j])
-                            (loss / k if divide else loss).backward()
-                    opt.step()
-                return step
+                return lambda: ddp_step(kind, model, opt, xs, ys, k, loss_fn)
 
             steps = args.steps
             per_round = max(1, steps // args.rounds)

@@ -42,7 +42,6 @@ Prints one ``RESULT {json}`` line per (model, k) on rank 0.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import warnings
@@ -129,13 +128,9 @@ class DDPEngine:
         return ddp, opt
 
     def step(self, kind, model, opt, xs, ys, k, loss_fn):
-        divide = kind == "ddp" and k > 1  # plain DDP's accumulation: the mean of the k passes
-        opt.zero_grad()
-        for j in range(k):
-            with model.no_sync() if j < k - 1 else contextlib.nullcontext():
-                loss = loss_fn(model(xs[j]), ys[j])
-                (loss / k if divide else loss).backward()
-        opt.step()
+        from ddp_overhead import ddp_step
+
+        ddp_step(kind, model, opt, xs, ys, k, loss_fn)
 
     def gather(self, obj) -> list:
         out = [None] * self.world
