@@ -175,6 +175,10 @@ class DistributedOptimizer(TorchOptimizer):
         # One pass per step: the norms are taken in DDP's buckets. With accumulation (or adapt:
         # k may change) each pass's gradient is seen only by a tensor hook, before it is added.
         self._bucketed = self._measure and backward_passes_per_step == 1 and adapt is None
+        # One group of plain statistics: a bucket's squared norm is that of its flat buffer (one
+        # read), before its allreduce and after it.
+        self._whole_buckets = len(self.param_groups) == 1 and \
+            self.scaling.policy.statistics == "plain"
         kind = None if self._bucketed else "norms" if self._measure else \
             "count" if backward_passes_per_step > 1 or adapt is not None else None
         # (Unmeasured at k = 1: every worker took the one pass DDP synchronized, n = workers.)
@@ -226,7 +230,7 @@ class DistributedOptimizer(TorchOptimizer):
         grads, params = bucket.gradients(), bucket.parameters()
         if self._bucketed:
             step.fired_total += len(grads)
-            if len(self.param_groups) == 1 and self.scaling.policy.statistics == "plain":
+            if self._whole_buckets:
                 step.norms[0].append(norms([bucket.buffer()]))  # one read of the whole bucket
             else:
                 self._take_norms(params, grads)
@@ -251,7 +255,7 @@ class DistributedOptimizer(TorchOptimizer):
             out = future.value()
             if isinstance(out, (list, tuple)):
                 out = out[0]
-            if len(self.param_groups) == 1 and self.scaling.policy.statistics == "plain":
+            if self._whole_buckets:
                 step.mean_norms.append((index, 0, norms([out]).square().sum()))
             else:
                 views, at = [], 0

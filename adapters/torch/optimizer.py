@@ -96,8 +96,9 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
         # Parameters the engine and the hooks know: a later unfreezing is refused at the next step.
         self._frozen = [p for p in self._params() if not p.requires_grad]
         self._hooks = []
-        trained = [(gi, p) for gi, group in enumerate(self.param_groups)
-                   for p in group["params"] if p.requires_grad]
+        # (group, parameter) of every trained parameter, in the groups' order: the hooks' order
+        self._trained_params = trained = [(gi, p) for gi, group in enumerate(self.param_groups)
+                                          for p in group["params"] if p.requires_grad]
         self._trained = len(trained)
         self._all_gradients = len(trained) * self.backward_passes_per_step  # a full step's
         self._hooks_paused = False  # the guard's Hessian-vector products are not passes
@@ -106,8 +107,7 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
     def _hook_parameters(self, kind: str | None) -> None:
         """A tensor hook on every trained parameter: "norms" (each pass's gradient measured
         before it is added into p.grad), "count" (the passes counted), or None."""
-        trained = [(gi, p) for gi, group in enumerate(self.param_groups)
-                   for p in group["params"] if p.requires_grad]
+        trained = self._trained_params
         if kind == "norms":
             self._hooks = [p.register_hook(self._make_norm_hook(gi, p, index))
                            for index, (gi, p) in enumerate(trained)]
