@@ -37,7 +37,8 @@ import sys
 
 import pytest
 
-from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, run_torchrun, worker_results
+from hvdrun import (WORKERS_DIR, free_port, requires_horovod, run_horovod, run_torchrun,
+                    worker_results)
 
 WORKER = WORKERS_DIR / "transitions_worker.py"
 FRAMEWORKS = {"torch": ("torch", None), "torch/ddp": ("ddp", None),
@@ -77,9 +78,11 @@ def _env(backend):
 def _one_process(framework, backend, *extra, timeout=600):
     """The worker in one process (no horovodrun): its RESULT lines."""
     from hvd_scale.launch.jobs import read_results
+    group = {} if framework != "ddp" else {  # torch.distributed: a group of one process
+        "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out = subprocess.run([sys.executable, str(WORKER), "--framework", framework, *extra],
                          capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, **_env(backend)}, cwd=str(WORKERS_DIR))
+                         env={**os.environ, **_env(backend), **group}, cwd=str(WORKERS_DIR))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return read_results(out.stdout)
 

@@ -341,14 +341,12 @@ def checkpoint_path(folder, loop, spec, measured, suffix):
 
 class DistributedRanks:
     """torch.distributed with the few calls of Horovod's module this script makes (init, rank,
-    size, allgather_object); without torchrun's environment, a group of one process."""
+    size, allgather_object); its group from the environment (torchrun's, or the one-process
+    group tests/test_transitions.py sets)."""
 
     def init(self):
         import torch.distributed as dist
 
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
         dist.init_process_group("gloo")
         self._dist = dist
 
@@ -362,14 +360,6 @@ class DistributedRanks:
         out = [None] * self.size()
         self._dist.all_gather_object(out, obj)
         return out
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scripted_adapt(mult):
