@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
         # Rank by rank, then summed in rank order: the reference adds exactly what MPI adds.
         parts = [rank_part(w, teacher, args, r, state.steps) for r in world.ranks]
         summed = world.reducer.sum(sum(stats for _, stats in parts))  # one tiny allreduce
-        sqnorm_sum, n = unpack_summed(summed, 1)
+        sqnorm_sum, n, _ = unpack_summed(summed, 1)
         g_bar = world.allreduce_sum(sum(g for g, _ in parts)) / n    # the gradient allreduce
         # |g_bar|^2 needs no communication: every rank holds the same averaged gradient.
         state, info = policy.transition(state, sqnorm_sum, [float(np.sum(g_bar * g_bar))], n,

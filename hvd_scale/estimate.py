@@ -25,16 +25,18 @@ SIGMA2_FLOOR * m only against a step whose micro-gradients are all equal.
 Cheaper statistics, whose reads per step do not grow with the k backward passes per worker
 (W workers, n = W k micro-gradients, S unchanged; q is always |g_bar|^2 of the full average):
 
-    workers   s = sum_w |h_w|^2 of each worker's accumulated gradient h_w (the mean of its k
-              passes), handed with n = W. h_w is itself one i.i.d. sample of k micro-batches, of
-              variance sigma2 W / S: the model above with n = W, so both estimators stay
-              unbiased. Needs W >= 2. Still m >= q (Cauchy-Schwarz).
+    workers   each worker reads once the sum G_w of its k_w passes, when it sends it:
+              s = sum_w |G_w|^2 / k_w, n = sum_w k_w, handed with samples = W. G_w / k_w is
+              one i.i.d. sample of k_w micro-batches, so E[s] = n mu_b^2 + W V (V: one micro-
+              gradient's variance) and E[m - q] = (W - 1) V / n: the estimators above with
+              samples - 1 in place of n - 1 stay unbiased, for any k_w. Needs W >= 2. Still
+              m >= q (Cauchy-Schwarz). The adapters' default from two workers on (``SAMPLES``).
     sampled   one pass per worker chosen at random, r = W of the n micro-gradients, handed as
               s = (n / r) sum_{i in R} |g_i|^2 with n = W k: for a subset R chosen without
               looking at the gradients E[s / n] = E|g|^2, so both estimators keep their means.
               But m >= q no longer holds: a step's sigma2_hat can be < 0, and the floor above
               then clips it, biasing the smoothed sigma2 upwards where that is frequent (few
-              reads; noise of low rank with the signal along it).
+              reads; noise of low rank with the signal along it). Not offered: measured only.
 
 ``estimate_variances`` gives each one's per-step variance for Gaussian micro-gradients
 (tests/test_estimator_sampling.py, benchmarks/estimator_variance.py).
@@ -88,6 +90,26 @@ def check_scale(scale: Any) -> float:
         raise ValueError(f"scale must be a finite number >= 1 (the step's batch over the "
                          f"baseline batch), got {scale!r}")
     return s
+
+
+# What a step's sqnorm_sum reads (an adapter's ``samples=``): "passes", every micro-gradient
+# (a hook per tensor and pass: cost grows with k); "workers", each worker's accumulated gradient
+# once (cost flat in k; needs W >= 2); "auto", workers from two workers on, else passes.
+# benchmarks/results/estimator_variance.md measures what each costs in variance.
+SAMPLES = ("auto", "workers", "passes")
+
+
+def resolve_samples(samples: Any, workers: int) -> str:
+    """"workers" or "passes" for an adapter's ``samples=`` at W = ``workers``."""
+    if samples not in SAMPLES:
+        raise ValueError(f"samples must be one of {SAMPLES}, got {samples!r}")
+    if samples == "auto":
+        return "workers" if workers >= 2 else "passes"
+    if samples == "workers" and workers < 2:
+        raise ValueError(f"samples='workers' reads one accumulated gradient per worker and needs "
+                         f"at least 2 workers to see a variance, got {workers}: use "
+                         "samples='passes' (or 'auto')")
+    return samples
 
 
 def check_smoothing(smoothing: Any) -> float | None:

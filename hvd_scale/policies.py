@@ -230,10 +230,12 @@ class Policy:
 
     def transition(self, state: PolicyState, sqnorm_sum=None, mean_sqnorm=None,
                    n: int | None = None, *, scale: float, max_factor: float | None = None,
-                   require_statistics: bool = True) -> tuple[PolicyState, StepInfo]:
+                   require_statistics: bool = True, samples: int | None = None
+                   ) -> tuple[PolicyState, StepInfo]:
         """One optimizer step at scale S: the record after it and what it applies.
 
-        Statistics as in ``GainEstimator.update`` (None: nothing measured). ``max_factor``: a cap
+        Statistics as in ``GainEstimator.update`` (None: nothing measured; ``samples``: the
+        independent samples among the n, ``estimate_moments``). ``max_factor``: a cap
         on the factor (``hvd_scale.guard``); tau advances as uncapped. Raises ValueError (the
         record is not replaced) on statistics missing where the policy needs them, or bad.
         ``require_statistics=False``: a step that cannot be measured (a short step of one
@@ -248,7 +250,8 @@ class Policy:
         measurable = self.uses_statistics or n is None or int(n) >= 2
         estimator = state.estimator
         if sqnorm_sum is not None and measurable:
-            estimator = fold(estimator, sqnorm_sum, mean_sqnorm, n, scale, self.theta(scale))
+            estimator = fold(estimator, sqnorm_sum, mean_sqnorm, n, scale, self.theta(scale),
+                             samples)
         elif self.uses_statistics and scale > 1 and require_statistics:
             raise ValueError(f"policy {self.name!r} needs gradient statistics every step")
         measured = dataclasses.replace(state, estimator=estimator)
@@ -574,11 +577,12 @@ class AdaScaleAdam(AdaScale):
         return math.sqrt(gain) if power == 0.5 else gain ** power
 
     def transition(self, state, sqnorm_sum=None, mean_sqnorm=None, n=None, *, scale,
-                   max_factor=None, require_statistics=True):
+                   max_factor=None, require_statistics=True, samples=None):
         if state.steps >= self.MIN_ADAM_HISTORY:
             after, info = super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
                                              max_factor=max_factor,
-                                             require_statistics=require_statistics)
+                                             require_statistics=require_statistics,
+                                             samples=samples)
             measured = estimated_gain(after.estimator, scale) \
                 if self._options.get("capped") == "drift" else info.gain
             if measured > info.gain:
@@ -591,7 +595,7 @@ class AdaScaleAdam(AdaScale):
         # The warm-in: bad statistics fail as in a measured step; the estimates stay untouched.
         after, info = super().transition(state, sqnorm_sum, mean_sqnorm, n, scale=scale,
                                          max_factor=max_factor,
-                                         require_statistics=require_statistics)
+                                         require_statistics=require_statistics, samples=samples)
         return dataclasses.replace(after, estimator=state.estimator), info
 
     def check_optimizer(self, optimizer: str) -> None:

@@ -2,21 +2,26 @@
 
 The local vector each worker contributes, summed over workers (the contract between adapters):
 
-    [ s_0, s_1, ..., s_{G-1}, c ]
+    [ s_0, s_1, ..., s_{G-1}, c, w ]
 
-    s_j  sum of |g_i|^2 over this worker's micro-gradients g_i in parameter group j
+    s_j  sum of squared norms in parameter group j of the samples this worker read
+         (``hvd_scale.estimate``: with per-pass statistics, |g_i|^2 of each of its micro-
+         gradients; with per-worker statistics, |G|^2 / c of the sum G of its c passes)
     c    number of micro-gradients this worker produced (its backward passes in the step)
+    w    the independent samples s holds: c per pass, 1 per worker (0 without a pass)
 
-Summed over workers it gives ``sqnorm_sum`` per group and n. |g_bar|^2 needs no reduction: every
-worker computes it from the averaged gradient that the gradient allreduce already produced, and
-appends it, so the step's statistics reach the host as one vector (one transfer):
+Summed over workers it gives ``sqnorm_sum`` per group, n and the step's samples. |g_bar|^2 needs
+no reduction: every worker computes it from the averaged gradient that the gradient allreduce
+already produced, and appends it, so the step's statistics reach the host as one vector (one
+transfer):
 
-    [ s_0, ..., s_{G-1}, c, q_0, ..., q_{G-1} ]      q_j = |g_bar|^2 in group j
+    [ s_0, ..., s_{G-1}, c, w, q_0, ..., q_{G-1} ]      q_j = |g_bar|^2 in group j
 
 A reducer is anything with ``sum(vector) -> vector`` across workers: ``LocalReducer`` (one
 process), ``MPIReducer`` (mpi4py: the engine alone, for a framework without an adapter);
-Horovod's are with the adapters (``hvd_scale.adapters.reducers``). The adapters pack the local vector into their own (asynchronous) Horovod allreduce instead, so it is
-fused with the gradients; the layout is what must agree.
+Horovod's are with the adapters (``hvd_scale.adapters.reducers``). The adapters pack the local
+vector into their own (asynchronous) allreduce instead, so it is fused with the gradients; the
+layout is what must agree.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ SMALLEST_MEAN_SQUARE = 2.0 ** -100
 
 def wire_copies(sums):
     """What travels for ``sums`` (any array type): the plain sums, then times WIRE_WIDE, then
-    times WIRE_NARROW. The adapters concatenate them, in that order, before the count."""
+    times WIRE_NARROW. The adapters concatenate them, in that order, before [c, w]."""
     return sums, sums * WIRE_WIDE, sums * WIRE_NARROW
 
 
@@ -58,45 +63,50 @@ def wire_sums(plain, wide, narrow, xp):
     return xp.where((sums < SMALLEST_PLAIN) & xp.isfinite(narrow), narrow / WIRE_NARROW, sums)
 
 
-def pack_local(group_sqnorms, micro_batches: int) -> np.ndarray:
-    """This worker's vector: per-group sums of squared micro-gradient norms, then the count."""
+COUNTS = 2  # c and w, after the sums
+
+
+def pack_local(group_sqnorms, micro_batches: int, samples: int | None = None) -> np.ndarray:
+    """This worker's vector: per-group sums of squared norms, its count c and its samples w
+    (None: c, each micro-gradient read)."""
     sq = np.atleast_1d(np.asarray(group_sqnorms, dtype=np.float64))
-    return np.concatenate([sq, [float(micro_batches)]])
+    w = micro_batches if samples is None else samples
+    return np.concatenate([sq, [float(micro_batches), float(w)]])
 
 
-def unpack_summed(vector, num_groups: int) -> tuple[np.ndarray, int]:
-    """(sqnorm_sum per group, n) from the vector summed over workers."""
+def unpack_summed(vector, num_groups: int) -> tuple[np.ndarray, int, int]:
+    """(sqnorm_sum per group, n, samples) from the vector summed over workers."""
     vector = np.asarray(vector, dtype=np.float64)
-    if vector.shape != (num_groups + 1,):
-        raise ValueError(f"statistics vector must have {num_groups} group entries plus the count "
-                         f"({num_groups + 1} values), got shape {vector.shape}")
-    count = vector[num_groups]
+    if vector.shape != (num_groups + COUNTS,):
+        raise ValueError(f"statistics vector must have {num_groups} group entries, the count and "
+                         f"the samples ({num_groups + COUNTS} values), got shape {vector.shape}")
     # A non-finite count cannot be rounded; the caller's finiteness check rejects the step.
-    return vector[:num_groups], int(round(count)) if np.isfinite(count) else 0
+    n, samples = (int(round(v)) if np.isfinite(v) else 0 for v in vector[num_groups:])
+    return vector[:num_groups], n, samples
 
 
 def step_vector_size(num_groups: int) -> int:
-    return 2 * num_groups + 1
+    return 2 * num_groups + COUNTS
 
 
 def unpack_step(vector, num_groups: int, loss_scale: float | None = None
-                ) -> tuple[np.ndarray, int, np.ndarray]:
-    """(sqnorm_sum per group, n, mean_sqnorm per group) from the step's host vector.
+                ) -> tuple[np.ndarray, int, int, np.ndarray]:
+    """(sqnorm_sum per group, n, samples, mean_sqnorm per group) from the step's host vector.
 
     ``loss_scale``: the gradients were those of loss x scale (mixed precision); squared norms
-    are divided by its square, the count stays.
+    are divided by its square, the counts stay.
     """
     vector = np.asarray(vector, dtype=np.float64)
     if vector.shape != (step_vector_size(num_groups),):
-        raise ValueError(f"step statistics must hold {num_groups} sums, the count and "
-                         f"{num_groups} mean norms ({step_vector_size(num_groups)} values), "
+        raise ValueError(f"step statistics must hold {num_groups} sums, the count, the samples "
+                         f"and {num_groups} mean norms ({step_vector_size(num_groups)} values), "
                          f"got shape {vector.shape}")
-    sqnorm_sum, n = unpack_summed(vector[:num_groups + 1], num_groups)
-    mean_sqnorm = vector[num_groups + 1:]
+    sqnorm_sum, n, samples = unpack_summed(vector[:num_groups + COUNTS], num_groups)
+    mean_sqnorm = vector[num_groups + COUNTS:]
     if loss_scale is not None:
         inv = 1.0 / float(loss_scale) ** 2
         sqnorm_sum, mean_sqnorm = sqnorm_sum * inv, mean_sqnorm * inv
-    return sqnorm_sum, n, mean_sqnorm
+    return sqnorm_sum, n, samples, mean_sqnorm
 
 
 class Reducer(Protocol):

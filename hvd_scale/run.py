@@ -174,7 +174,7 @@ class Setup:
 class StepInputs:
     """One step's inputs, as the adapter gathered them."""
 
-    statistics: Any = None   # [s..., c, q...] summed over workers (``hvd_scale.reduce``); None
+    statistics: Any = None   # [s..., c, w, q...] summed over workers (``hvd_scale.reduce``); None
     finite: bool = True      # the framework's verdict on the averaged gradient (unmeasured)
     user_settings: Any = None  # a row of USER_SETTINGS per group
     loss_scale: float | None = None  # the gradients were scaled by it (AMP)
@@ -343,9 +343,9 @@ def host_step(setup: Setup, run: RunState, inputs: StepInputs,
     # lr 0 (a warm-up that starts there) needs no cap, and has none to divide by.
     cap = None if inputs.max_lr is None or base_lr == 0 else inputs.max_lr / base_lr
     expected = run.micro_gradients
-    statistics = None
+    statistics, samples = None, None
     if values is not None:
-        sqnorm_sum, n, mean_sqnorm = unpack_step(values, setup.groups, inputs.loss_scale)
+        sqnorm_sum, n, samples, mean_sqnorm = unpack_step(values, setup.groups, inputs.loss_scale)
         statistics = (sqnorm_sum, mean_sqnorm, n)
     else:
         n = expected if inputs.count is None else int(inputs.count)
@@ -357,18 +357,20 @@ def host_step(setup: Setup, run: RunState, inputs: StepInputs,
     if n == expected:
         scale, required = run.scale, True
     elif setup.short_steps and 1 <= n < expected:
-        # Each micro-batch is worth u baseline batches: so is the step. One micro-gradient
-        # has no variance: the estimates so far give the gain at the step's S.
+        # Each micro-batch is worth u baseline batches: so is the step.
         scale, required = max(1.0, run.unit * n), False
-        if n == 1:
-            statistics = None
     else:  # e.g. a world size frozen in a traced graph
         raise RuntimeError(f"hvd_scale: the step's statistics count {n} micro-gradients, "
                            f"expected {run.workers} workers x {run.passes}")
+    if statistics is not None and (n == 1 or samples == 1):
+        # One sample has no variance (one micro-gradient; per-worker statistics with one worker
+        # left, elastic): the estimates so far give the gain at the step's S.
+        statistics, required = None, False
     try:
         record, info = policy.transition(run.policy, *(statistics or (None, None, None)),
                                          scale=scale, max_factor=cap,
-                                         require_statistics=required)
+                                         require_statistics=required,
+                                         samples=samples if statistics else None)
     except ValueError as e:
         if required:
             raise

@@ -41,22 +41,25 @@ def expected_sum(step: int, np_: int = NP) -> np.ndarray:
 def test_pack_local_layout():
     v = pack_local([1.5, 2.0, 0.0], 3)
     assert v.dtype == np.float64
-    assert v.tolist() == [1.5, 2.0, 0.0, 3.0]
-    assert pack_local(4.0, 1).tolist() == [4.0, 1.0]  # one group given as a float
+    assert v.tolist() == [1.5, 2.0, 0.0, 3.0, 3.0]  # the sums, c, then w (per pass: w = c)
+    assert pack_local(4.0, 1).tolist() == [4.0, 1.0, 1.0]  # one group given as a float
+    assert pack_local([4.0], 5, samples=1).tolist() == [4.0, 5.0, 1.0]  # read once per worker
     assert pack_local(np.float32(0.5), 2).dtype == np.float64
 
 
 def test_unpack_summed_round_trip_and_count_rounding():
-    sq, n = unpack_summed(pack_local([1.0, 2.0], 2) + pack_local([3.0, 4.0], 3), 2)
+    sq, n, samples = unpack_summed(pack_local([1.0, 2.0], 2) + pack_local([3.0, 4.0], 3, 1), 2)
     assert sq.tolist() == [4.0, 6.0] and n == 5 and isinstance(n, int)
-    # A count that went through a float reduction comes back as the nearest whole number.
-    assert unpack_summed([1.0, 4.9999999], 1)[1] == 5
+    assert samples == 3 and isinstance(samples, int)
+    # Counts that went through a float reduction come back as the nearest whole numbers.
+    assert unpack_summed([1.0, 4.9999999, 2.0000001], 1)[1:] == (5, 2)
 
 
-@pytest.mark.parametrize("vector, groups", [([1.0, 2.0], 2), ([1.0, 2.0, 3.0, 4.0], 2), ([], 0),
-                                            ([[1.0, 2.0]], 1)])
+@pytest.mark.parametrize("vector, groups", [([1.0, 2.0, 3.0], 2), ([1.0, 2.0, 3.0, 4.0, 5.0], 2),
+                                            ([1.0], 0), ([[1.0, 2.0, 3.0]], 1)])
 def test_unpack_summed_rejects_wrong_length(vector, groups):
-    with pytest.raises(ValueError, match=rf"{groups} group entries plus the count") as err:
+    with pytest.raises(ValueError, match=rf"{groups} group entries, the count and the samples") \
+            as err:
         unpack_summed(vector, groups)
     assert f"got shape {np.shape(vector)}" in str(err.value)
 
@@ -97,11 +100,11 @@ def check_results(results: list[dict], backend: str, reducer: str) -> None:
             own = pack_local(*worker.local_stats(res["rank"], step))
             assert got["local"] == own.tolist(), f"{where} step {step}: sent {got['local']}"
             assert got["input_unchanged"], f"{where} step {step}: the reducer modified its input"
-            assert got["dtype"] == "float64" and got["shape"] == [worker.GROUPS + 1], where
+            assert got["dtype"] == "float64" and got["shape"] == [worker.GROUPS + 2], where
             # Exact: float64 sums of these values have no rounding.
             assert got["summed"] == want.tolist(), f"{where} step {step}: {got['summed']} != {want.tolist()}"
-            sq, n = unpack_summed(np.array(got["summed"]), worker.GROUPS)
-            assert sq.tolist() == want[:-1].tolist() and n == sum(r + 2 for r in range(NP))
+            sq, n, _ = unpack_summed(np.array(got["summed"]), worker.GROUPS)
+            assert sq.tolist() == want[:-2].tolist() and n == sum(r + 2 for r in range(NP))
             assert got["sqnorm_sum"] == sq.tolist() and got["n"] == n, where
             assert got["n_type"] == "int", where
 

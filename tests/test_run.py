@@ -27,8 +27,9 @@ def user(lr: float = LR, t: float = 1.0, groups: int = 1):
 
 
 def stats(n: int, noise: float = 0.5, mean: float = 1.0) -> list[float]:
-    """[s, c, q]: n micro-gradients with mean |g_i|^2 = mean + noise and |g_bar|^2 = mean."""
-    return [n * (mean + noise), float(n), mean]
+    """[s, c, w, q]: n micro-gradients, each read, with mean |g_i|^2 = mean + noise and
+    |g_bar|^2 = mean."""
+    return [n * (mean + noise), float(n), float(n), mean]
 
 
 def test_the_host_step_is_the_policys_transition_bit_for_bit():
@@ -39,7 +40,7 @@ def test_the_host_step_is_the_policys_transition_bit_for_bit():
     for i in range(20):
         s = stats(4, noise=0.1 * (i % 5 + 1))
         run, plan, info = runs.host_step(setup, run, StepInputs(s, True, user()))
-        record, expected = policy.transition(record, [s[0]], [s[2]], 4, scale=4)
+        record, expected = policy.transition(record, [s[0]], [s[3]], 4, scale=4)
         assert run.policy == record and info == expected
         assert plan[0, 0] == expected.lr_factor and plan[0, 1] == LR * expected.lr_factor
         assert run.last_lr == LR * expected.lr_factor and run.skips_in_a_row == 0
@@ -126,7 +127,7 @@ def test_a_short_step_of_one_micro_gradient_takes_the_gain_from_the_estimates():
         run, _, _ = runs.host_step(setup, run, StepInputs(stats(2), True, user()))
     estimates = run.policy.estimator
     before = run.policy.progress
-    run, plan, info = runs.host_step(setup, run, StepInputs([1.5, 1.0, 1.5], True, user()))
+    run, plan, info = runs.host_step(setup, run, StepInputs([1.5, 1.0, 1.0, 1.5], True, user()))
     expected = make_policy("adascale").gain(run.policy, 2)
     assert run.policy.estimator == estimates  # nothing measured
     assert info.gain == pytest.approx(expected) and 1 < info.gain <= 2
@@ -168,3 +169,35 @@ def test_a_scale_that_is_not_a_finite_number_is_refused_before_anything_changes(
             runs.relayout(setup, run, scale=bad)
         with pytest.raises(ValueError, match=r"S must be a finite number >= 1"):
             runs.start(setup, scale=bad, passes=1, workers=1, measure=False)
+
+
+def test_per_worker_statistics_are_the_estimator_with_w_samples():
+    """#50: samples="workers" hands sum_w |G_w|^2 / k_w with n = sum_w k_w and w = W samples: the
+    host step is the policy's transition with samples = W (not n - 1 degrees of freedom)."""
+    setup = setup_for("adascale")
+    run = runs.start(setup, scale=8, passes=4, workers=2, measure=True)
+    policy, record = make_policy("adascale"), run.policy
+    for i in range(5):
+        s = [8 * (1.0 + 0.1 * (i + 1)), 8.0, 2.0, 1.0]
+        run, _, info = runs.host_step(setup, run, StepInputs(s, True, user()))
+        record, expected = policy.transition(record, [s[0]], [s[3]], 8, scale=8, samples=2)
+        assert run.policy == record and info == expected
+    # The same sums read as 8 samples would give another sigma2: w is what sets the estimator.
+    as_passes, _ = policy.transition(policy.init(), [8 * 1.1], [1.0], 8, scale=8)
+    as_workers, _ = policy.transition(policy.init(), [8 * 1.1], [1.0], 8, scale=8, samples=2)
+    assert as_workers.estimator.sigma2_biased[0] == pytest.approx(
+        as_passes.estimator.sigma2_biased[0] * 7)
+
+
+def test_one_worker_left_with_per_worker_statistics_takes_the_gain_from_the_estimates():
+    """Horovod elastic down to one worker under samples="workers": one sample has no variance;
+    the step is applied at its S with the gain from the estimates so far (not a crash)."""
+    setup = setup_for("adascale")
+    run = runs.start(setup, scale=8, passes=4, workers=2, measure=True)
+    for _ in range(5):
+        run, _, _ = runs.host_step(setup, run, StepInputs([8 * 1.5, 8.0, 2.0, 1.0], True, user()))
+    estimates = run.policy.estimator
+    run, _, info = runs.host_step(setup, run, StepInputs([4 * 1.5, 4.0, 1.0, 1.0], True, user(),
+                                                         workers=1))
+    assert run.policy.estimator == estimates and run.scale == 4.0
+    assert info.gain == pytest.approx(make_policy("adascale").gain(run.policy, 4)) and info.gain > 1

@@ -135,14 +135,14 @@ def test_logger_on_other_ranks_checks_names_too(tmp_path):
 
 def test_step_vector_layout_and_unscaling():
     groups = 2
-    vector = np.array([8.0, 4.0, 4.0, 1.0, 0.5])  # s_0, s_1, c, q_0, q_1
+    vector = np.array([8.0, 4.0, 4.0, 2.0, 1.0, 0.5])  # s_0, s_1, c, w, q_0, q_1
     assert vector.size == step_vector_size(groups)
-    s, n, q = unpack_step(vector, groups)
-    assert s.tolist() == [8.0, 4.0] and n == 4 and q.tolist() == [1.0, 0.5]
-    s, n, q = unpack_step(vector * np.array([4, 4, 1, 4, 4]), groups, loss_scale=2.0)
-    assert s.tolist() == [8.0, 4.0] and n == 4 and q.tolist() == [1.0, 0.5]
-    with pytest.raises(ValueError, match="5 values"):
-        unpack_step(vector[:4], groups)
+    s, n, samples, q = unpack_step(vector, groups)
+    assert s.tolist() == [8.0, 4.0] and n == 4 and samples == 2 and q.tolist() == [1.0, 0.5]
+    s, n, samples, q = unpack_step(vector * np.array([4, 4, 1, 1, 4, 4]), groups, loss_scale=2.0)
+    assert s.tolist() == [8.0, 4.0] and n == 4 and samples == 2 and q.tolist() == [1.0, 0.5]
+    with pytest.raises(ValueError, match="6 values"):
+        unpack_step(vector[:5], groups)
 
 
 @pytest.mark.parametrize("spec", ["adascale", "linear", "warmup:baseline_steps=8"])
@@ -152,7 +152,7 @@ def test_a_step_at_its_own_scale_leaves_the_runs_scale(spec):
     setup = runs.Setup(policy=build(spec), short_steps=True)
     short = runs.start(setup, scale=8.0, passes=8, workers=1, measure=True)
     short, _, info = runs.host_step(setup, short, runs.StepInputs(
-        [8.0, 2.0, 1.25], True, [[0.1, math.nan, math.nan, math.nan, math.nan, 1.0]]))
+        [8.0, 2.0, 2.0, 1.25], True, [[0.1, math.nan, math.nan, math.nan, math.nan, 1.0]]))
     ref = build(spec)
     record, expected = ref.transition(ref.init(), [8.0], [1.25], 2, scale=2.0)
     assert info == expected

@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         local = pack_local(sq, count)
         sent = local.copy()
         summed = reducer.sum(local)
-        sqnorm_sum, n = unpack_summed(summed, GROUPS)
+        sqnorm_sum, n, _ = unpack_summed(summed, GROUPS)
         steps.append({
             "local": local.tolist(),
             "summed": np.asarray(summed).tolist(),
