@@ -19,6 +19,7 @@ from hvd_scale.adapters import agreement
 from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, StepClock, check_passes
 from hvd_scale.adapters.log import MetricsLogger
 from hvd_scale.adapters.readout import Readout  # noqa: F401  (the adapters import it from here)
+from hvd_scale.estimate import resolve_samples
 from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
@@ -76,6 +77,9 @@ class Request:
         ``$HVD_SCALE_LOG_DIR``: ``environment.log_dir``).
     log_every: steps between rows (``adapters.log.due``; the adapter resolves
         ``$HVD_SCALE_LOG_EVERY``: ``environment.log_every``).
+    samples: what a step's statistics read (``hvd_scale.estimate.SAMPLES``): "passes" every
+        micro-gradient, "workers" each worker's accumulated gradient once (reads flat in k),
+        "auto" workers from two workers on.
     """
 
     policy: str | Policy | None = None
@@ -86,6 +90,7 @@ class Request:
     nonfinite: str = "skip"
     log_dir: str | None = None
     log_every: int | None = None
+    samples: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +168,8 @@ class Scaling:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {request.nonfinite!r}")
         scale = float(hvd.size() * passes) if request.scale is None else request.scale
         log_dir = request.log_dir
+        # Fixed for the optimizer's life (its hooks): "workers" or "passes".
+        self.samples = resolve_samples(request.samples, hvd.size())
 
         def measured(built: Policy) -> bool:
             # One micro-gradient at S = 1 (one process, k = 1, not elastic, k fixed) measures
@@ -187,6 +194,7 @@ class Scaling:
                 "backward_passes_per_step": passes, "lr": base_lrs,
                 "parameter groups": framework.groups, "measure": measured(built),
                 "nonfinite": request.nonfinite, "guard": guard_settings,
+                "samples": self.samples,
                 **adaptation.settings(), **(framework.agreed or {})})
         self.setup = runs.Setup(policy=built, groups=framework.groups, nonfinite=request.nonfinite,
                                 short_steps=framework.short_steps,
@@ -221,6 +229,8 @@ class Scaling:
         policy, run = self.policy, self.run
         how = ("a fixed factor" if not policy.uses_statistics else
                f"the gain measured each step from {run.micro_gradients} micro-gradients"
+               + (f" (read once per worker: {run.workers} samples)"
+                  if self.samples == "workers" and run.passes > 1 else "")
                if run.measure else
                "gain 1 (one micro-gradient a step at S = 1: nothing to measure)")
         return (f"hvd_scale: policy {policy.spec} at S = {run.scale:g} ({run.workers} "
@@ -235,7 +245,7 @@ class Scaling:
         """The host side of one step, for every adapter (``run_step``): ``hvd_scale.run.host_step``
         on the record, which it replaces; the step's plan, a row of ``PLAN`` per group.
 
-        statistics: the step's vector ``[s..., c, q...]`` summed over workers, or None
+        statistics: the step's vector ``[s..., c, w, q...]`` summed over workers, or None
         (unmeasured: ``finite`` is the framework's verdict, ``count`` the micro-gradients it
         counted, None for workers x k). ``loss_scale``: the gradients were scaled by it."""
         workers = self.hvd.size()

@@ -14,10 +14,12 @@ from the environment in ``environment.py``.
 
 One optimizer step, whatever the framework (``core.run_step``):
 
-    each micro-batch:   its own gradient's squared norm added to s_j, c += 1 (the framework's
-                        business: torch's hooks, Keras's apply)
+    each micro-batch:   c += 1, and (samples="passes") its own gradient's squared norm
+                        added to s_j (the framework's business: torch's hooks, Keras's apply)
+    the last one:       (samples="workers") |G|^2 / c of this worker's summed gradient G
+                        added to s_j instead, read once when it is sent
     once per step:      step, statistics, finite, count = reduced_statistics(step)
-                                              [s..., c, q...] over workers (or None, and n)
+                                              [s..., c, w, q...] over workers (or None, and n)
                         plan = on_host(scaling.plan, statistics, finite, user_settings(),
                                        loss_scale(), count)
                         apply_step(plan, step)  the inner update with the plan's lr (and Adam's

@@ -1,7 +1,9 @@
 """The torch adapter under torch.distributed (``hvd_scale.adapters.torch.ddp``): the same script,
 seeds and micro-batches under ``horovodrun -np 2``, ``torchrun --nproc-per-node 2`` and in one
 process (the engine's own functions over the same micro-gradients) give the same per-step gain,
-lr factor, tau, sigma2, mu2 and weights, for every policy at k = 1 and 4; a checkpoint saved
+lr factor, tau, sigma2, mu2 and weights, for every policy at k = 1 and 4 (at k = 4 with the
+statistics read once per worker, the default at two workers, and adascale's with every pass
+read: ``samples="passes"``); a checkpoint saved
 under one engine resumes under the other (tests/workers/engines_worker.py).
 
 Tolerance: the model is float64 and every path sums the same numbers in another order, so
@@ -62,19 +64,25 @@ def _same(a, b, what):
 def test_every_policy_the_same_under_horovod_ddp_and_one_process(engines):
     horovod, ddp, reference = engines["horovod"], engines["ddp"], engines["reference"]
     runs = sorted(r for r in horovod if "/k=" in r)
-    assert len(runs) == 18 and sorted(r for r in ddp if "/k=" in r) == runs
+    assert len(runs) == 20 and sorted(r for r in ddp if "/k=" in r) == runs
     for run in runs:
         for rank in (0, 1):
             _same(ddp[run][rank], horovod[run][rank], f"{run} rank {rank}: DDP vs Horovod")
         assert ddp[run][0]["rows"] == ddp[run][1]["rows"], run  # the ranks agree exactly
-        assert ddp[run][0]["scale"] == 2 * int(run.rpartition("=")[2])
+        assert ddp[run][0]["scale"] == 2 * int(run.split("/")[1].partition("=")[2])
         if run in reference:  # every SGD policy (Adam's horizons: the engines against each other)
             _same(ddp[run][0], reference[run][0], f"{run}: DDP vs the one-process reference")
     gains = [row["gain"] for row in ddp["adascale/k=4"][0]["rows"]]
     assert 1 < min(gains[2:]) and max(gains) <= 8  # measured, not the bounds
     adam = [row["gain"] for row in ddp["adascale_adam/k=4"][0]["rows"]]
     assert max(adam) > 1.05, adam  # adascale_adam measured its gain in the runs compared
-    assert len(reference) == 16
+    assert len(reference) == 17
+    # Two workers at k = 4: each worker's sum read once (2 samples) is another estimate than
+    # every pass read (8), from the same gradients: the option reached both engines.
+    for engine in (horovod, ddp):
+        workers, passes = engine["adascale/k=4"][0]["rows"], engine["adascale/k=4/passes"][0]["rows"]
+        assert all(a["sigma2"] != pytest.approx(b["sigma2"], rel=1e-3)
+                   for a, b in zip(workers, passes)), (workers, passes)
 
 
 @requires_horovod

@@ -35,16 +35,19 @@ def runs():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", [1, 2, 4, "4/passes"])
 @pytest.mark.parametrize("keras_path", ["keras", "keras-torch"])
 def test_same_gains_in_torch_and_keras(runs, k, keras_path):
+    """At k = 2 and 4 each worker's accumulated gradient is read once (the default at two
+    workers); "4/passes": every pass read (samples="passes")."""
+    passes = int(str(k)[0])
     for rank in range(NP):
         t, kr = runs[("torch", k, rank)], runs[(keras_path, k, rank)]
-        assert t["scale"] == kr["scale"] == NP * k
+        assert t["scale"] == kr["scale"] == NP * passes
         assert len(t["rows"]) == len(kr["rows"]) == 6
         tg = np.array([row["gain"] for row in t["rows"]])
         kg = np.array([row["gain"] for row in kr["rows"]])
-        assert np.all((tg >= 1) & (tg <= NP * k)) and tg.max() > 1.0
+        assert np.all((tg >= 1) & (tg <= NP * passes)) and tg.max() > 1.0
         np.testing.assert_allclose(kg, tg, rtol=GAIN_RTOL)
         for key in ("progress", "sigma2", "mu2"):  # mu2 may be clipped to exactly 0: atol
             np.testing.assert_allclose([row[key] for row in kr["rows"]], [row[key] for row in t["rows"]],
@@ -53,6 +56,11 @@ def test_same_gains_in_torch_and_keras(runs, k, keras_path):
     # Each framework's ranks agree exactly among themselves.
     for framework in PATHS:
         assert runs[(framework, k, 0)]["rows"] == runs[(framework, k, 1)]["rows"]
+    if k == "4/passes":  # the option reached the framework: another estimate from the same passes
+        for framework in PATHS:
+            ours, default = runs[(framework, k, 0)]["rows"], runs[(framework, 4, 0)]["rows"]
+            assert all(a["sigma2"] != pytest.approx(b["sigma2"], rel=1e-3)
+                       for a, b in zip(ours, default)), framework
 
 
 @pytest.mark.timeout(600)

@@ -465,7 +465,7 @@ def test_a_checkpoint_with_statistics_for_other_groups_is_refused_by_a_fresh_opt
     has statistics of its own (a fresh optimizer, the usual resume)."""
     two = scaling_of(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
                      optimizer_name="SGD", framework="toy", groups=2)
-    two.plan([1.0, 2.0, 2.0, 0.5, 0.5], True, [[LR] + [math.nan] * 4 + [1.0]] * 2)
+    two.plan([1.0, 2.0, 2.0, 2.0, 0.5, 0.5], True, [[LR] + [math.nan] * 4 + [1.0]] * 2)
     fresh = scaling_of(OneProcess(), policy="adascale", passes=2, scale=None, budget=None,
                        optimizer_name="SGD", framework="toy", groups=1)
     before = fresh.state_dict()
@@ -484,7 +484,7 @@ def test_adapt_never_takes_k_below_the_start(scale, passes, noise):
                          optimizer_name="SGD", framework="toy", base_lrs=[LR], adapt="goodput",
                          max_passes=4, adapt_every=10)
     # Two micro-gradients that differ by a little: mean |g_i|^2 = 1 + noise, |g_bar|^2 = 1.
-    stats = [2.0 * (1.0 + noise), 2.0, 1.0]
+    stats = [2.0 * (1.0 + noise), 2.0, 2.0, 1.0]
     # Rank 0's step times at k = 2: 10 ms a pass, no allreduce (one worker), 2 ms of update.
     scaling.clock.history.extend([(1, passes, 0.02, 0.0, 0.002, 0.01)] * 20)
     for step in range(1, 31):

@@ -42,7 +42,7 @@ from hvd_scale.adapters.core import (PLAN, USER_SETTINGS, Framework, Readout, Re
                                     precondition, run_step)
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
-from hvd_scale.reduce import wire_copies, wire_sums
+from hvd_scale.reduce import step_vector_size, wire_copies, wire_sums
 from hvd_scale.run import PASSES_INDEX, PROGRESS_INDEX, STEPS_INDEX, RunState
 
 from . import backends
@@ -126,6 +126,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             --log-dir``), else none. A run-time setting: not part of ``get_config``.
         nonfinite: a step whose averaged gradient or statistics are not finite is skipped on
             every rank ("skip") or raises FloatingPointError ("raise"), as in the torch adapter.
+        samples: what the statistics read (``hvd_scale.estimate.SAMPLES``): "workers" each
+            worker's accumulated gradient once, at the step's last apply (cost flat in k);
+            "passes" every apply's gradient; "auto" (default) workers from two workers on.
         adapt: "goodput" to let the ranks choose k (up to ``max_passes``) every ``adapt_every``
             steps from rank 0's step timings and the gain at each k, as the torch adapter does.
             k lives in the run's record (the variable ``hvd_scale_state``), which the traced step
@@ -143,7 +146,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                  budget: float | None = None, measure: bool | None = None,
                  log_dir: str | None = None, nonfinite: str = "skip", adapt: str | None = None,
                  max_passes: int | None = None, adapt_every: int = ADAPT_EVERY,
-                 name: str | None = None, **kwargs: Any):
+                 samples: str = "auto", name: str | None = None, **kwargs: Any):
         backend = backends.current()
         for arg in _INNER_ONLY:
             if arg in kwargs:
@@ -172,7 +175,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             backend.hvd,
             Request(policy=policy, passes=backward_passes_per_step, scale=scale, budget=budget,
                     measure=measure, nonfinite=nonfinite, log_dir=environment.log_dir(log_dir),
-                    log_every=environment.log_every()),
+                    log_every=environment.log_every(), samples=samples),
             Framework(optimizer_name=optimizer_name, name=f"keras/{backend.name}",
                       groups=GROUPS, base_lrs=base_lrs, eps_placement=EPS_RAW,
                       elastic=environment.elastic(), agreed=agreed),
@@ -191,7 +194,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         self._config = {"backward_passes_per_step": backward_passes_per_step, "scale": scale,
                         "budget": budget, "measure": measure, "nonfinite": nonfinite,
                         **({"adapt": adapt, "max_passes": max_passes, "adapt_every": adapt_every}
-                           if adapt is not None else {})}
+                           if adapt is not None else {}),
+                        **({"samples": samples} if samples != "auto" else {})}
         # The graph's shape: k > 1 or a k that may change accumulates (in variables).
         self._accumulating = backward_passes_per_step > 1 or adapt is not None
         self._adapted_at = None  # the steps after which adapt_passes() last ran
@@ -268,14 +272,20 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
         for acc, g in zip(accumulators, grads):
             acc.assign_add(ops.cast(g, acc.dtype))
-        if self.scaling.measure:
+        per_pass = self.scaling.measure and self.scaling.samples == "passes"
+        if per_pass:
             self._local_sqnorm.assign_add(self._sqnorm_of(grads, variables))
         self._micro_steps.assign_add(1)
 
         def step():
-            local = ops.convert_to_tensor(self._local_sqnorm.value) if self.scaling.measure else None
-            self._step([ops.convert_to_tensor(acc.value) for acc in accumulators], variables, local,
-                       ops.cast(self._micro_steps.value, "float64"))
+            summed = [ops.convert_to_tensor(acc.value) for acc in accumulators]
+            count = ops.cast(self._micro_steps.value, "float64")
+            local = None
+            if per_pass:
+                local = ops.convert_to_tensor(self._local_sqnorm.value)
+            elif self.scaling.measure:  # the sum G of the passes, read once: |G|^2 / c
+                local = ops.cast(self._sqnorm_of(summed, variables), "float64") / count
+            self._step(summed, variables, local, count)
             for acc in accumulators:
                 acc.assign(ops.zeros_like(acc.value))
             self._local_sqnorm.assign(ops.convert_to_tensor(0.0, "float64"))
@@ -362,8 +372,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         run_step(self, (local_grads, variables, local_sqnorm, count))
 
     def reduced_statistics(self, step):
-        """One grouped allreduce (op=Average) of the gradients and, when measured, [s, c] in their
-        dtype (so that it joins their group); then [s, c, q], q = |g_bar|^2 of the mean
+        """One grouped allreduce (op=Average) of the gradients and, when measured, [s, c, w] in
+        their dtype (so that it joins their group); then [s, c, w, q], q = |g_bar|^2 of the mean
         micro-gradient, or None with the averaged gradient's finiteness. In float32 s could
         overflow (from 3.4e38 on: |g| ~ 1.8e19, finite gradients) or lose its digits (below
         1.2e-38: a loss scaled far down): it travels three times (``hvd_scale.reduce``: the
@@ -374,8 +384,10 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         measure = self.scaling.measure
         if measure:
             float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
-            local = ops.stack([local_sqnorm, ops.cast(count, "float64")])
-            # Three copies of the sum (hvd_scale.reduce: the wire), then the count.
+            count = ops.cast(count, "float64")
+            samples = ops.ones_like(count) if self.scaling.samples == "workers" else count
+            local = ops.stack([ops.cast(local_sqnorm, "float64"), count, samples])
+            # Three copies of the sum (hvd_scale.reduce: the wire), then [c, w].
             tensors.append(ops.cast(ops.concatenate([*wire_copies(local[:1]), local[1:]]),
                                     "float64" if float64 else "float32"))
         # The passes are over once the local gradients (and statistics) exist: the wait starts.
@@ -392,9 +404,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             # overflowing float32 is skipped too, as a measured step's statistics would be).
             return step, None, ops.isfinite(self._backend.sum_of_squares(mean)), None
         summed = ops.cast(reduced[-1], "float64") * self._backend.world_size()
-        plain, wide, narrow, count = summed[:1], summed[1:2], summed[2:3], summed[3:]
+        plain, wide, narrow, counts = summed[:1], summed[1:2], summed[2:3], summed[3:]
         q = ops.reshape(self._sqnorm_of(mean, variables), (1,))
-        return (step, ops.concatenate([wire_sums(plain, wide, narrow, ops), count, q]),
+        return (step, ops.concatenate([wire_sums(plain, wide, narrow, ops), counts, q]),
                 ops.convert_to_tensor(True), None)
 
     def user_settings(self):
@@ -426,7 +438,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         statistics, finite, user_settings, loss_scale, _ = args
         measured = statistics is not None
         if not measured:
-            statistics = ops.zeros((3,), "float64")
+            statistics = ops.zeros((step_vector_size(GROUPS),), "float64")
         # A method, not a function defined here: TensorFlow's autograph rewrites functions defined
         # inside the traced step, and the rewritten one would pass every call it makes, every
         # step, through autograph's call wrapper.

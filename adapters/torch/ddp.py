@@ -13,14 +13,16 @@ statistics. No Horovod is imported.
 
 How the statistics ride DDP's communication (one communication hook, ``register_comm_hook``):
 
-* each bucket, before its allreduce: at one pass per step, its local gradients' norms (one
-  fused kernel over the bucket: DDP's buckets are the Horovod path's buckets); with
-  accumulation the passes under ``no_sync()`` are measured by a tensor hook per parameter, as
-  Horovod's are (``statistics.py``), and DDP allreduces the sum of the k passes at the last;
+* each bucket, before its allreduce: its local gradients' norms (one fused kernel over the
+  bucket: DDP's buckets are the Horovod path's buckets), at one pass per step that pass's, with
+  accumulation and samples="workers" (the default from two workers on) the sum of the worker's
+  passes that DDP allreduces after the passes under ``no_sync()``; per-pass statistics with
+  accumulation (samples="passes") are measured by a tensor hook per parameter, as Horovod's
+  are (``statistics.py``);
 * the bucket's allreduce is DDP's own (or the user's hook: ``comm_hook=``); when it completes,
   |g_bar|^2 of the averaged bucket is taken in its future's callback, before anything (a
   GradScaler's ``unscale_``) touches the gradients;
-* at the last bucket, [s..., c] go out in one small float64 allreduce on the same process
+* at the last bucket, [s..., c, w] go out in one small float64 allreduce on the same process
   group, issued after that bucket's, so it overlaps the gradients' tail; ``step()`` waits for
   it, and p.grad becomes the mean of the step's micro-gradients (``_to_mean_gradient``).
 
@@ -122,8 +124,8 @@ class DistributedOptimizer(TorchOptimizer):
     whose statistics ride DDP's gradient allreduce.
 
     ``policy``, ``backward_passes_per_step``, ``scale``, ``budget``, ``grad_scaler``,
-    ``measure``, ``log_dir``, ``nonfinite``, ``guard``, ``adapt``, ``max_passes`` and
-    ``adapt_every`` are those of Horovod's (``hvd_scale.adapters.torch.DistributedOptimizer``).
+    ``measure``, ``log_dir``, ``nonfinite``, ``guard``, ``adapt``, ``max_passes``,
+    ``adapt_every`` and ``samples`` are those of Horovod's (``hvd_scale.adapters.torch.DistributedOptimizer``).
     With k > 1, run the first k - 1 backward passes of a step under ``model.no_sync()`` (DDP's
     accumulation); a short step (fewer passes, a leftover batch) counts the passes taken.
 
@@ -149,7 +151,7 @@ class DistributedOptimizer(TorchOptimizer):
                  measure: bool | None = None, log_dir: str | None = None, nonfinite: str = "skip",
                  guard: SharpnessGuard | None = None, adapt: str | None = None,
                  max_passes: int | None = None, adapt_every: int = ADAPT_EVERY,
-                 comm_hook: Callable | tuple | None = None):
+                 samples: str = "auto", comm_hook: Callable | tuple | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, TorchOptimizer):
             raise TypeError(f"optimizer must be a plain torch.optim.Optimizer (wrapped once), got "
                             f"{type(optimizer).__name__}")
@@ -164,7 +166,7 @@ class DistributedOptimizer(TorchOptimizer):
             TorchDistributedBinding(self._group), optimizer, name="torch/ddp", policy=policy,
             passes=backward_passes_per_step, scale=scale, budget=budget, measure=measure,
             log_dir=log_dir, nonfinite=nonfinite, guard=guard, adapt=adapt,
-            max_passes=max_passes, adapt_every=adapt_every)
+            max_passes=max_passes, adapt_every=adapt_every, samples=samples)
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self.engine = "ddp"
@@ -172,21 +174,25 @@ class DistributedOptimizer(TorchOptimizer):
         self._grad_scaler = grad_scaler
         self._share_groups(optimizer)
         self._stats_dtype = torch.float64  # an allreduce of its own: exact counts, no overflow
-        # One pass per step: the norms are taken in DDP's buckets. With accumulation (or adapt:
-        # k may change) each pass's gradient is seen only by a tensor hook, before it is added.
-        self._bucketed = self._measure and backward_passes_per_step == 1 and adapt is None
+        # The norms are taken in DDP's buckets at the synchronizing pass: each pass's gradient at
+        # k = 1, each worker's sum of its passes with samples="workers" (a count hook on a few
+        # parameters counts them). Per-pass statistics with accumulation (or adapt: k may
+        # change) see each pass's gradient only in a tensor hook, before it is added.
+        self._bucketed = self._measure and (backward_passes_per_step == 1 and adapt is None
+                                            or self.scaling.samples == "workers")
         # One group of plain statistics: a bucket's squared norm is that of its flat buffer (one
         # read), before its allreduce and after it.
         self._whole_buckets = len(self.param_groups) == 1 and \
             self.scaling.policy.statistics == "plain"
-        kind = None if self._bucketed else "norms" if self._measure else \
-            "count" if backward_passes_per_step > 1 or adapt is not None else None
-        # (Unmeasured at k = 1: every worker took the one pass DDP synchronized, n = workers.)
+        accumulates = backward_passes_per_step > 1 or adapt is not None
+        kind = "norms" if self._measure and not self._bucketed else \
+            "count" if accumulates else None
+        # (At k = 1: every worker took the one pass DDP synchronized, n = workers.)
         state, hook = comm_hook if isinstance(comm_hook, tuple) else (self._group, comm_hook)
         if self._measure and (isinstance(state, PowerSGDState)
                               or hook in (powerSGD_hook, batched_powerSGD_hook)):
             raise ValueError(POWERSGD_REFUSED.format(policy=self.scaling.policy.spec))
-        self._hook_parameters(kind)
+        self._hook_parameters(kind, few=self._bucketed)
         self._user_hook, self._user_state = hook or allreduce_hook, state
         try:
             ddp.register_comm_hook(None, self._comm_hook)

@@ -1,10 +1,12 @@
 """Horovod's engine for the torch optimizer (``optimizer.py``: the protocol's hooks, shared with
 ``ddp.py``): ``hvd.DistributedOptimizer`` wrapped, its hooks and buckets.
 
-* With one pass per step, Horovod's own hook hands each gradient over and it is sent with its
-  bucket right after one fused norm kernel over the bucket (no hook of ours per tensor); with
-  accumulation, a tensor hook on every parameter sees each pass's gradient before it is added
-  into p.grad (``statistics.py``);
+* Horovod's own hook hands each gradient over after the step's last pass and it is sent with
+  its bucket right after one fused norm kernel over the bucket (no hook of ours per tensor): at
+  one pass per step that pass's gradient, with accumulation (samples="workers", the default
+  from two workers on) the worker's sum of its passes; per-pass statistics with accumulation
+  (samples="passes") take a tensor hook on every parameter, which sees each pass's gradient
+  before it is added into p.grad (``statistics.py``);
 * the statistics go out in one small asynchronous allreduce started just before Horovod waits
   on the gradients, reduced exactly as they are (op, factors, dtype), so Horovod fuses it with
   the gradient traffic instead of adding a blocking collective.
@@ -83,6 +85,12 @@ class DistributedOptimizer(TorchOptimizer):
             loop takes ``opt.backward_passes_per_step`` passes before each step (read it every
             step). The k in use is saved in ``state_dict()`` and restored on load.
         max_passes: the largest k adapt may choose (>= backward_passes_per_step).
+        samples: what the statistics read (``hvd_scale.estimate.SAMPLES``): "workers" each
+            worker's accumulated gradient once, in Horovod's buckets as it is sent (cost flat in
+            k; W samples a step); "passes" every pass's gradient, by a tensor hook per parameter
+            (n = W k samples, cost growing with k); "auto" (default) workers from two workers
+            on. Both are unbiased; fewer samples make a noisier step estimate, which the EMA
+            over ~1000 baseline batches averages (benchmarks/results/estimator_variance.md).
         **horovod_options: compression, op, gradient_predivide_factor, groups, sparse_as_dense,
             process_set: passed to ``hvd.DistributedOptimizer``. With a ``process_set``, S, n, the
             policy agreement and the statistics are the set's, as the averaged gradients are.
@@ -100,7 +108,7 @@ class DistributedOptimizer(TorchOptimizer):
                  grad_scaler: Any = None, measure: bool | None = None, log_dir: str | None = None,
                  nonfinite: str = "skip", guard: SharpnessGuard | None = None,
                  adapt: str | None = None, max_passes: int | None = None,
-                 adapt_every: int = ADAPT_EVERY, **horovod_options: Any):
+                 adapt_every: int = ADAPT_EVERY, samples: str = "auto", **horovod_options: Any):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
@@ -113,8 +121,8 @@ class DistributedOptimizer(TorchOptimizer):
             ProcessSetBinding(process_set), optimizer, name="torch", policy=policy,
             passes=backward_passes_per_step, scale=scale, budget=budget, measure=measure,
             log_dir=log_dir, nonfinite=nonfinite, guard=guard, adapt=adapt,
-            max_passes=max_passes, adapt_every=adapt_every, elastic=environment.elastic(),
-            check=lambda _: _check_op(op))
+            max_passes=max_passes, adapt_every=adapt_every, samples=samples,
+            elastic=environment.elastic(), check=lambda _: _check_op(op))
         self.backward_passes_per_step = backward_passes_per_step
         self.optimizer_name = type(optimizer).__name__
         self.engine = "horovod"
@@ -130,14 +138,16 @@ class DistributedOptimizer(TorchOptimizer):
             backward_passes_per_step=backward_passes_per_step, **horovod_options)
         self._share_groups(self._hvd_opt)
         self._skip_sync = False
-        # One pass per step: p.grad is that pass's gradient when Horovod's own hook sends it, so
-        # the norms are taken right there, a bucket at a time (one fused kernel per bucket, and
-        # no hook of ours per tensor). With accumulation (or Horovod's groups=) each pass's
-        # gradient is seen only by a tensor hook, before it is added into p.grad.
-        # Horovod hooks the parameters only where it allreduces (not in a one-process job that
-        # is not elastic): there the tensor hooks count the pass.
-        # (adapt: k may change, so the tensor hooks serve every k.)
-        self._bucketed = (self._measure and backward_passes_per_step == 1 and adapt is None
+        # When Horovod's own hook sends p.grad (after the step's last pass) the norms are taken
+        # right there, a bucket at a time (one fused kernel per bucket, and no hook of ours per
+        # tensor): each pass's gradient at k = 1; each worker's sum of its k passes with
+        # samples="workers" (Horovod's counters count the passes). Per-pass statistics with
+        # accumulation (or Horovod's groups=) see each pass's gradient only in a tensor hook,
+        # before it is added into p.grad. Horovod hooks the parameters only where it allreduces
+        # (not in a one-process job that is not elastic): there the tensor hooks count the pass.
+        # (adapt: k may change, so per-pass statistics take the tensor hooks for every k.)
+        self._bucketed = (self._measure and (backward_passes_per_step == 1 and adapt is None
+                                             or self.scaling.samples == "workers")
                           and horovod_options.get("groups") is None
                           and bool(self._hvd_opt._requires_update))
         self._sending_rest = False  # Horovod's synchronize() sends what backward did not produce
@@ -148,6 +158,9 @@ class DistributedOptimizer(TorchOptimizer):
         kind = None
         if self._bucketed:
             self._hvd_opt._allreduce_grad_async = self._send_in_buckets  # Horovod's hook calls it
+            self._all_gradients = self._trained  # Horovod's hook sends each once a step
+            if backward_passes_per_step > 1 or adapt is not None:
+                kind = "count"  # on a few parameters: each pass's start, for the step clock
         elif self._measure:
             kind = "norms"
         elif self._hvd_opt._requires_update:
@@ -156,7 +169,7 @@ class DistributedOptimizer(TorchOptimizer):
             self._hvd_opt._allreduce_grad_async = self._send_counting
         elif not self._alone or adapt is not None or backward_passes_per_step > 1:
             kind = "count"  # one process, no Horovod hooks: a hook per parameter counts the passes
-        self._hook_parameters(kind)
+        self._hook_parameters(kind, few=self._bucketed)
 
     # -- the Horovod protocol -------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -173,10 +186,13 @@ class DistributedOptimizer(TorchOptimizer):
         handle, step.stats_handle = step.stats_handle, None
         if self._measure and handle is None:
             # Fewer gradients than every parameter x k passes: send the statistics now.
+            if self._bucketed and self.backward_passes_per_step > 1:
+                self._take_norms(self._unsent())  # a short step's sums: read once, as here
             handle = self.start_statistics()
         counting = not self._measure and (self._hooked or self._hvd_opt._requires_update)
         if counting and handle is None:  # a short step, or one process: the count now
-            handle = self._start_count(self._local_passes())
+            handle = self._start_count(max(step.fired, default=0) if self._hooked
+                                       else self._engine_passes())
         self._sending_rest = True
         try:
             self._hvd_opt.synchronize()
@@ -225,7 +241,14 @@ class DistributedOptimizer(TorchOptimizer):
         k = self.scaling.passes
         self._hvd_opt.set_backward_passes_per_step(k)
         self.backward_passes_per_step = k
-        self._all_gradients = self._trained * k
+        self._all_gradients = self._trained * (1 if self._bucketed else k)
+
+    def _unsent(self) -> list[torch.Tensor]:
+        """Gradients Horovod has not sent yet (a short step: fewer than k passes reached them);
+        synchronize() sends them."""
+        handles = self._hvd_opt._handles
+        return [p for _, p in self._trained_params
+                if p.grad is not None and handles.get(p, (None,))[0] is None]
 
     def _allreduce_async(self, tensor: torch.Tensor, name: str):
         """Reduced exactly as the gradients are (their op, pre/postscale factors and dtype):
@@ -265,11 +288,9 @@ class DistributedOptimizer(TorchOptimizer):
                 step.stats_handle = self._start_count(self.backward_passes_per_step)
         return self._send(p)
 
-    def _local_passes(self) -> int:
-        """Unmeasured: the passes this worker took this step (Horovod's counters or the count
-        hooks: the largest count over parameters; a short step takes fewer than k)."""
-        if self._hooked:
-            return max(self._step.fired, default=0)
+    def _engine_passes(self) -> int:
+        """The passes this worker took this step, by Horovod's counters (a short step takes
+        fewer than k)."""
         k, delay = self.backward_passes_per_step, self._hvd_opt._allreduce_delay
         if k == 1:
             return 1 if self._step.sent or any(p.grad is not None for p in self._params()) else 0

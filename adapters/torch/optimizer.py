@@ -40,6 +40,12 @@ from .hessian import hessian_top_eigenvalue
 from .statistics import Statistics, _StepState
 
 
+# Where the norms are read once per step (samples="workers") and the engine does not count the
+# passes itself (DDP), a count hook on this many parameters spread over the model counts them: a
+# pass reaches at least one of them unless it leaves all of them without a gradient.
+COUNTED_PARAMETERS = 4
+
+
 def _number(value) -> float:
     """A group's setting as a float for the host (nan where it is none: ``check_lrs`` names it)."""
     try:
@@ -58,7 +64,8 @@ class _Step:
 
 def scaling_for(binding, optimizer: torch.optim.Optimizer, *, name: str, policy, passes: int,
                 scale, budget, measure, log_dir, nonfinite, guard, adapt, max_passes,
-                adapt_every, elastic: bool = False, check=None) -> Scaling:
+                adapt_every, samples: str = "auto", elastic: bool = False,
+                check=None) -> Scaling:
     """The shared half (``core.Scaling``) for a torch optimizer, whichever engine: the user's
     arguments as given, what torch's optimizer tells of its groups, the engine's collectives
     (``binding``), ``name`` for run.json, Horovod elastic, the engine's own ``check``."""
@@ -67,7 +74,7 @@ def scaling_for(binding, optimizer: torch.optim.Optimizer, *, name: str, policy,
         binding,
         Request(policy=policy, passes=passes, scale=scale, budget=budget, measure=measure,
                 nonfinite=nonfinite, log_dir=environment.log_dir(log_dir),
-                log_every=environment.log_every()),
+                log_every=environment.log_every(), samples=samples),
         Framework(optimizer_name=type(optimizer).__name__, name=name, groups=groups,
                   base_lrs=[g.get("lr") for g in optimizer.param_groups],
                   lr_names=[f"param_groups[{i}]['lr']" for i in range(groups)],
@@ -104,10 +111,14 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
         self._hooks_paused = False  # the guard's Hessian-vector products are not passes
         self._group_of = {p: gi for gi, p in trained}
 
-    def _hook_parameters(self, kind: str | None) -> None:
+    def _hook_parameters(self, kind: str | None, few: bool = False) -> None:
         """A tensor hook on every trained parameter: "norms" (each pass's gradient measured
-        before it is added into p.grad), "count" (the passes counted), or None."""
+        before it is added into p.grad), "count" (the passes counted), or None. ``few``: the
+        count on a handful of parameters spread over the model (``COUNTED_PARAMETERS``), where
+        the norms are read once per step and only the passes are wanted."""
         trained = self._trained_params
+        if few:
+            trained = trained[::max(1, len(trained) // COUNTED_PARAMETERS)]
         if kind == "norms":
             self._hooks = [p.register_hook(self._make_norm_hook(gi, p, index))
                            for index, (gi, p) in enumerate(trained)]
@@ -170,15 +181,15 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
         if self._step.fired_total or any(self._step.fired) or self._in_step():
             raise RuntimeError("set_passes() between backward passes of a step: call it after "
                                "step() and before the next step's first backward pass")
-        if k > 1 and self._bucketed:
+        if k > 1 and self._bucketed and self.scaling.samples == "passes":
             raise ValueError(f"set_passes({k}): this optimizer was built for one pass per step "
                              "with its norms taken in the engine's buckets; build it with "
                              "backward_passes_per_step > 1 or adapt='goodput' to change k")
         self.scaling.set_passes(k)  # the run's record at the new k: refused there, if it cannot
-        if not (self._measure or self._hooked or self._counted_by_engine()):
-            # Unmeasured, built at k = 1 with nothing counting: from now on a short step can
-            # happen, and its passes are counted.
-            self._hook_parameters("count")
+        if not (self._hooked or self._counted_by_engine()) and (self._bucketed or not self._measure):
+            # Built at k = 1 with nothing counting (unmeasured, or norms read once per worker in
+            # the buckets): from now on a pass is not a step, and the passes are counted.
+            self._hook_parameters("count", few=self._bucketed)
         self._follow_passes()
 
     # -- the hooks of adapters/protocol.py ---------------------------------------------------------

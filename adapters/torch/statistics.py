@@ -34,7 +34,7 @@ class _StepState:
     bucket_elements: int = 0
     stats_handle: Any = None  # the statistics allreduce in flight (one process: the sums)
     mean_norms: list = dataclasses.field(default_factory=list)  # DDP: |bucket|^2 after allreduce
-    pending: torch.Tensor | None = None  # [s..., c, q...] after synchronize, until step()
+    pending: torch.Tensor | None = None  # [s..., c, w, q...] after synchronize, until step()
     count: int | None = None  # unmeasured: the step's micro-gradients, after synchronize
     synchronized: bool = False  # synchronize() ran for this step
     sent: int = 0  # unmeasured, with Horovod's hooks: gradients handed to Horovod this step
@@ -57,10 +57,16 @@ class Statistics:
     # parameter gets one gradient per pass that reaches it, so this worker's passes are the
     # largest count (parameters without a gradient in some pass count less).
     def _make_count_hook(self, index: int):
-        """Unmeasured, one process: count this parameter's gradients (the passes of a step)."""
+        """Count this parameter's gradients (the passes of a step, each one's start stamped on
+        the step clock): unmeasured, or with the norms read once per worker."""
         def hook(grad: torch.Tensor) -> None:
-            if not self._hooks_paused:
-                self._step.fired[index] += 1
+            if self._hooks_paused:
+                return
+            step = self._step
+            step.fired[index] += 1
+            if step.fired[index] > step.passes_started:  # the first gradient of a new pass
+                step.passes_started += 1
+                self.scaling.clock.pass_started()
         return hook
 
     def _start_count(self, passes: int):
@@ -115,7 +121,7 @@ class Statistics:
                 norms[self._group_of[p]].append(vector[i:i + 1])
 
     def start_statistics(self):
-        """[s..., c] over workers, asynchronously (the engine's ``_allreduce_async``). In the
+        """[s..., c, w] over workers, asynchronously (the engine's ``_allreduce_async``). In the
         gradients' dtype the sums travel three times (``hvd_scale.reduce``: the wire);
         ``_summed`` turns the result into the float64 sum."""
         s = self.local_statistics()
@@ -125,7 +131,7 @@ class Statistics:
 
     def _finish_statistics(self, handle, counting: bool) -> None:
         """After the gradients' allreduce: p.grad made the mean micro-gradient, and the step's
-        statistics (``pending``: [s..., c, q...]) or count kept for ``reduced_statistics``."""
+        statistics (``pending``: [s..., c, w, q...]) or count kept for ``reduced_statistics``."""
         step = self._step
         if handle is None:
             self._to_mean_gradient(None)
@@ -137,17 +143,17 @@ class Statistics:
         else:
             summed = self._summed(handle)
             self._to_mean_gradient(summed[len(self.param_groups)])
-            # [s..., c, q...] (hvd_scale.reduce's step layout), still on the gradients' device.
+            # [s..., c, w, q...] (hvd_scale.reduce's step layout), on the gradients' device.
             step.pending = torch.cat([summed, self.mean_sqnorms(summed[len(self.param_groups)])])
 
     def _summed(self, handle) -> torch.Tensor:
-        """[s..., c] summed over workers, float64, from ``start_statistics``'s handle."""
+        """[s..., c, w] summed over workers, float64, from ``start_statistics``'s handle."""
         groups = len(self.param_groups)
         reduced = self._wait_sum(handle)
-        plain, wide, narrow, count = (reduced[:groups], reduced[groups:2 * groups],
-                                      reduced[2 * groups:3 * groups], reduced[3 * groups:])
-        # A count of micro-batches, exact again after the average's rounding.
-        return torch.cat([wire_sums(plain, wide, narrow, torch), count.round()])
+        plain, wide, narrow, counts = (reduced[:groups], reduced[groups:2 * groups],
+                                       reduced[2 * groups:3 * groups], reduced[3 * groups:])
+        # Counts of micro-batches and samples, exact again after the average's rounding.
+        return torch.cat([wire_sums(plain, wide, narrow, torch), counts.round()])
 
     def _norm(self, g: torch.Tensor) -> torch.Tensor:
         """[|g|] as a float64 vector of one (``norms``)."""
@@ -171,17 +177,33 @@ class Statistics:
                             torch.Tensor.sqrt_, **floor)
 
     def local_statistics(self) -> torch.Tensor:
-        """[s_0, ..., s_{G-1}, c] for this worker (the engine's layout), float64: squares of the
-        float64 norms, which no finite gradient overflows. c is the passes this worker actually
-        took (a short step takes fewer than k)."""
+        """[s_0, ..., s_{G-1}, c, w] for this worker (the engine's layout), float64: squares of
+        the float64 norms, which no finite gradient overflows. c is the passes this worker
+        actually took (a short step takes fewer than k). samples="passes": each pass's |g|^2,
+        w = c; "workers": the one read of the sum G of its c passes, |G|^2 / c, w = 1."""
         device, step = self._device, self._step
         sums = [_vector(group_norms).square().sum() if group_norms
                 else torch.zeros((), dtype=torch.float64, device=device)
                 for group_norms in step.norms]
-        passes = min(1, step.fired_total) if self._bucketed else max(step.fired, default=0)
-        count = torch.tensor(float(passes), dtype=torch.float64, device=device)
+        passes = self._passes_taken()
+        samples = passes
+        if self.scaling.samples == "workers" and passes:
+            sums, samples = [s / passes for s in sums], 1
+        counts = torch.tensor([float(passes), float(samples)], dtype=torch.float64, device=device)
         step.counted()
-        return torch.stack(sums + [count])
+        return torch.cat([torch.stack(sums), counts])
+
+    def _passes_taken(self) -> int:
+        """This worker's passes this step: with the norms taken in the engine's buckets, one
+        if a gradient was sent (k = 1) or the engine's own count (Horovod's accumulation
+        counters, ``_engine_passes``); else the tensor hooks' (the largest count over the
+        hooked parameters)."""
+        step = self._step
+        if self._bucketed and self.backward_passes_per_step == 1:
+            return min(1, step.fired_total)
+        if self._bucketed and self._counted_by_engine():
+            return self._engine_passes()
+        return max(step.fired, default=0)
 
     def mean_sqnorms(self, count: torch.Tensor | None = None) -> torch.Tensor:
         """|g_bar|^2 per group (float64) from the mean micro-gradient that p.grad holds after

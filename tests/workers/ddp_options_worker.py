@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from _reference import read_sums, read_worker_sums
 from _report import emit_result, error_of
 from hvd_scale import GainEstimator
 from hvd_scale.adapters.torch.ddp import DistributedOptimizer
@@ -173,10 +174,10 @@ def reference(case, *, k=1, lrs=(LR, LR), aux=False, steps=STEPS):
                                             allow_unused=True)
                 micro.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
                                         for p, g in zip(params, grads)]))
-        micro = torch.stack(micro)
-        mean = micro.mean(0)
-        state, info = policy.transition(state, float(micro.square().sum()),
-                                        float(mean.square().sum()), len(micro), scale=scale)
+        mean = torch.stack(micro).mean(0)
+        sqnorm_sum, samples = read_sums(micro, WORKERS)  # as the adapter reads them
+        state, info = policy.transition(state, sqnorm_sum, float(mean.square().sum()),
+                                        len(micro), scale=scale, samples=samples)
         with torch.no_grad():
             at = 0
             for p, lr in zip(params, lr_of):
@@ -342,7 +343,9 @@ def case_short():
     grads = torch.cat(gathered)
     n, mean = grads.shape[0], grads.mean(0)
     ref = GainEstimator(scale=WORKERS * k * n / (WORKERS * k))
-    gain = ref.update(float(grads.square().sum()), float(mean @ mean), n)
+    # Each rank's sum of its passes read once (2 and 1 passes): |G_w|^2 / k_w, 2 samples.
+    sqnorm_sum, samples = read_worker_sums([list(g) for g in gathered])
+    gain = ref.update(sqnorm_sum, float(mean @ mean), n, samples=samples)
     emit("short", n=n, scale=opt.scale, progress=opt.progress, lr_factor=opt.lr_factor,
          ref_gain=gain, sigma2=opt.sigma2, ref_sigma2=ref.sigma2, mu2=opt.mu2, ref_mu2=ref.mu2,
          max_weight_diff=float((torch.tensor(weights(model), dtype=torch.float64) - (w0 - LR * gain * mean)).abs().max()))

@@ -3,7 +3,8 @@
 own functions over the same micro-gradients, computed one after the other). tests/test_ddp.py
 compares them per step.
 
-Every policy at k = 1 and 4, each run 6 steps of a float64 MLP (8 -> 16 tanh -> 3) from the same
+Every policy at k = 1 and 4 (at k = 4 with each worker's accumulated gradient read once, the
+default at two workers; adascale and adascale_adam also with every pass read), each run 6 steps of a float64 MLP (8 -> 16 tanh -> 3) from the same
 weights, on the same micro-batch per (rank, step, pass). SGD policies use SGD; adascale_adam
 AdamW. Each rank prints ``RESULT {...}`` per run: the per-step gain, lr factor, tau, sigma2,
 mu2, and the weights after.
@@ -39,6 +40,8 @@ POLICIES = ("none", "linear", "sqrt", "power:alpha=0.7", "fixed:factor=1.5", "wa
 BUDGET = 40
 CHECKPOINT_AFTER = 3
 RESUME_K = 2
+# Also run with per-pass statistics (samples="passes") at k = 4.
+PER_PASS = ("adascale", "adascale_adam")
 # adascale_adam measures from its 20th step on (AdaScaleAdam.MIN_ADAM_HISTORY): longer runs.
 ADAM_STEPS = 24
 
@@ -91,20 +94,20 @@ class Engine:
             dist.init_process_group("gloo")
             self.rank = dist.get_rank()
 
-    def build(self, policy, k):
+    def build(self, policy, k, samples="auto"):
         model = new_model()
         if self.name == "horovod":
             from hvd_scale.adapters.torch import DistributedOptimizer
             opt = DistributedOptimizer(inner_optimizer(policy, model.parameters()),
                                        named_parameters=model.named_parameters(), policy=policy,
-                                       backward_passes_per_step=k, budget=BUDGET)
+                                       backward_passes_per_step=k, budget=BUDGET, samples=samples)
             return model, model, opt
         from torch.nn.parallel import DistributedDataParallel
 
         from hvd_scale.adapters.torch.ddp import DistributedOptimizer
         ddp = DistributedDataParallel(model)
         opt = DistributedOptimizer(inner_optimizer(policy, ddp.parameters()), ddp, policy=policy,
-                                   backward_passes_per_step=k, budget=BUDGET)
+                                   backward_passes_per_step=k, budget=BUDGET, samples=samples)
         return model, ddp, opt
 
     def step(self, wrapped, opt, step, k):
@@ -116,17 +119,26 @@ class Engine:
         opt.step()
 
 
-def run_engine(name, save, resume):
-    engine = Engine(name)
+def runs():
+    """(run name, policy, k, samples): every policy at k = 1 and 4 with the default statistics
+    (two workers: each worker's accumulated gradient read once), and the per-pass ones at k = 4."""
     for policy in POLICIES:
         for k in (1, 4):
-            model, wrapped, opt = engine.build(policy, k)
-            rows = []
-            for step in range(ADAM_STEPS if policy == "adascale_adam" else STEPS):
-                engine.step(wrapped, opt, step, k)
-                rows.append(row(opt))
-            emit_result({"rank": engine.rank, "engine": name, "run": f"{policy}/k={k}",
-                         "scale": opt.scale, "rows": rows, "weights": weights(model)})
+            yield f"{policy}/k={k}", policy, k, "auto"
+    for policy in PER_PASS:
+        yield f"{policy}/k=4/passes", policy, 4, "passes"
+
+
+def run_engine(name, save, resume):
+    engine = Engine(name)
+    for run, policy, k, samples in runs():
+        model, wrapped, opt = engine.build(policy, k, samples)
+        rows = []
+        for step in range(ADAM_STEPS if policy == "adascale_adam" else STEPS):
+            engine.step(wrapped, opt, step, k)
+            rows.append(row(opt))
+        emit_result({"rank": engine.rank, "engine": name, "run": run,
+                     "scale": opt.scale, "rows": rows, "weights": weights(model)})
     if save:  # the run uninterrupted, saved after step 3
         model, wrapped, opt = engine.build("adascale", RESUME_K)
         rows = []
@@ -156,38 +168,42 @@ def run_reference():
     statistics handed to the policy (``Policy.transition``), SGD by hand with lr x factor."""
     from hvd_scale.spec import make_policy
 
-    for policy_spec in POLICIES:
+    for run, policy_spec, k, samples in runs():
         if policy_spec == "adascale_adam":
             continue  # Adam's moment horizons: compared between the engines only
-        for k in (1, 4):
-            model = new_model()
-            params = list(model.parameters())
-            policy = make_policy(policy_spec, budget=BUDGET, optimizer="SGD")
-            state, scale, rows = policy.init(), float(WORKERS * k), []
-            for step in range(STEPS):
-                micro = []
-                for rank in range(WORKERS):
-                    for j in range(k):
-                        grads = torch.autograd.grad(loss_of(model, rank, step, j), params)
-                        micro.append(torch.cat([g.reshape(-1) for g in grads]))
-                micro = torch.stack(micro)
-                mean = micro.mean(0)
-                sqsum = float(micro.square().sum())
-                measured = policy.uses_statistics  # the adapters' default: measure where needed
-                state, info = policy.transition(
-                    state, sqsum if measured else None,
-                    float(mean.square().sum()) if measured else None, len(micro), scale=scale)
-                with torch.no_grad():
-                    at = 0
-                    for p in params:
-                        p -= LR * info.lr_factor * mean[at:at + p.numel()].view_as(p)
-                        at += p.numel()
-                estimator = policy.estimator(state, scale)
-                rows.append({"gain": policy.gain(state, scale), "lr_factor": info.lr_factor,
-                             "progress": state.progress, "sigma2": estimator.sigma2,
-                             "mu2": estimator.mu2, "steps": state.steps})
-            emit_result({"rank": 0, "engine": "reference", "run": f"{policy_spec}/k={k}",
-                         "scale": scale, "rows": rows, "weights": weights(model)})
+        model = new_model()
+        params = list(model.parameters())
+        policy = make_policy(policy_spec, budget=BUDGET, optimizer="SGD")
+        state, scale, rows = policy.init(), float(WORKERS * k), []
+        for step in range(STEPS):
+            micro = []
+            for rank in range(WORKERS):
+                for j in range(k):
+                    grads = torch.autograd.grad(loss_of(model, rank, step, j), params)
+                    micro.append(torch.cat([g.reshape(-1) for g in grads]))
+            micro = torch.stack(micro)
+            mean = micro.mean(0)
+            if samples == "passes" or k == 1:  # every micro-gradient read
+                sqsum, reads = float(micro.square().sum()), len(micro)
+            else:  # each worker's sum G of its k passes read once: |G|^2 / k, W samples
+                sums = micro.view(WORKERS, k, -1).sum(1)
+                sqsum, reads = float(sums.square().sum()) / k, WORKERS
+            measured = policy.uses_statistics  # the adapters' default: measure where needed
+            state, info = policy.transition(
+                state, sqsum if measured else None,
+                float(mean.square().sum()) if measured else None, len(micro), scale=scale,
+                samples=reads if measured else None)
+            with torch.no_grad():
+                at = 0
+                for p in params:
+                    p -= LR * info.lr_factor * mean[at:at + p.numel()].view_as(p)
+                    at += p.numel()
+            estimator = policy.estimator(state, scale)
+            rows.append({"gain": policy.gain(state, scale), "lr_factor": info.lr_factor,
+                         "progress": state.progress, "sigma2": estimator.sigma2,
+                         "mu2": estimator.mu2, "steps": state.steps})
+        emit_result({"rank": 0, "engine": "reference", "run": run,
+                     "scale": scale, "rows": rows, "weights": weights(model)})
 
 
 def main():

@@ -25,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 
+from _reference import read_sums
 from _report import emit_result, error_of
 from hvd_scale import GainEstimator
 from hvd_scale.metrics import TIMING_METRICS
@@ -119,7 +120,8 @@ def reference_step(ref, estimator, step, size, k):
     micro-batches of ``step``: its gain."""
     per_micro = [flat(grads_of(ref, *micro_batch(r, step, j))) for r in range(size) for j in range(k)]
     mean = np.mean(per_micro, axis=0)
-    gain = estimator.update(sum(float(g @ g) for g in per_micro), float(mean @ mean), len(per_micro))
+    sqnorm_sum, samples = read_sums(per_micro, size)  # as the adapter reads them
+    gain = estimator.update(sqnorm_sum, float(mean @ mean), len(per_micro), samples=samples)
     offset = 0
     for v in ref.trainable_variables:
         n = int(np.prod(v.shape))

@@ -46,7 +46,7 @@ def emit(rank, **values):
     emit_result({"rank": rank, **values})
 
 
-def run_torch(k, adam=False):
+def run_torch(k, adam=False, samples="auto"):
     import horovod.torch as hvd
     import torch
 
@@ -62,7 +62,7 @@ def run_torch(k, adam=False):
         torch.optim.SGD(model.parameters(), lr=LR)
     opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                policy="adascale_adam" if adam else "adascale",
-                               backward_passes_per_step=k)
+                               backward_passes_per_step=k, samples=samples)
     rows = []
     for step in range(ADAM["steps"] if adam else STEPS):
         opt.zero_grad()
@@ -77,7 +77,7 @@ def run_torch(k, adam=False):
     return hvd.rank(), opt.scale, rows, weights
 
 
-def run_keras(k, adam=False):
+def run_keras(k, adam=False, samples="auto"):
     import keras
 
     from hvd_scale.adapters.keras import DistributedOptimizer, hvd
@@ -97,7 +97,7 @@ def run_keras(k, adam=False):
                                    epsilon=ADAM["eps"], weight_decay=ADAM["weight_decay"]) if adam \
         else keras.optimizers.SGD(LR)
     opt = DistributedOptimizer(inner, policy="adascale_adam" if adam else "adascale",
-                               backward_passes_per_step=k)
+                               backward_passes_per_step=k, samples=samples)
     model.compile(optimizer=opt, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batches = [micro_batch(hvd.rank(), step, j) for step in range(ADAM["steps"] if adam else STEPS)
@@ -133,6 +133,10 @@ def main():
     for k in PASSES:
         rank, scale, rows, weights = run(k)
         emit(rank, framework=args.framework, k=k, scale=scale, rows=rows, weights=weights.tolist())
+    # Every pass read (the default at two workers reads each worker's sum once).
+    rank, scale, rows, weights = run(4, samples="passes")
+    emit(rank, framework=args.framework, k="4/passes", scale=scale, rows=rows,
+         weights=weights.tolist())
     rank, scale, rows, weights = run(ADAM["k"], adam=True)
     emit(rank, framework=args.framework, k="adam", scale=scale, rows=rows, weights=weights.tolist())
     return 0

@@ -17,6 +17,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
+from _reference import read_sums
 from _report import emit_result, error_of
 from hvd_scale import GainEstimator
 from hvd_scale.metrics import TIMING_METRICS
@@ -70,7 +71,8 @@ def two_groups(model):
 
 
 def reference_step(ref, groups, batches, estimator, lrs, shrink=1.0):
-    """One step of the one-process reference: every micro-batch's gradient, the estimator's gain,
+    """One step of the one-process reference: every micro-batch's gradient (``batches``: every
+    rank's, rank-major), read as the adapter reads them (``_reference``), the estimator's gain,
     and SGD with lr x gain x shrink x the mean micro-gradient, per group. Returns the gain."""
     per_micro = []
     for x, y in batches:
@@ -78,9 +80,10 @@ def reference_step(ref, groups, batches, estimator, lrs, shrink=1.0):
         loss_fn(ref, x, y).backward()
         per_micro.append(flat_grads(ref, groups(ref)))
     count = len(per_micro[0])
-    sq_sum = [sum(float(g[i].square().sum()) for g in per_micro) for i in range(count)]
+    read = [read_sums([g[i] for g in per_micro], hvd.size()) for i in range(count)]
     mean = [torch.stack([g[i] for g in per_micro]).mean(0) for i in range(count)]
-    gain = estimator.update(sq_sum, [float(m.square().sum()) for m in mean], len(batches))
+    gain = estimator.update([s for s, _ in read], [float(m.square().sum()) for m in mean],
+                            len(batches), samples=read[0][1])
     with torch.no_grad():
         for i, group in enumerate(groups(ref)):
             offset = 0

@@ -8,6 +8,7 @@ import horovod.torch as hvd
 import torch
 import torch.utils.checkpoint as ckpt
 
+from _reference import read_worker_sums
 from _report import emit_result
 from hvd_scale import GainEstimator
 from hvd_scale.adapters.torch import DistributedOptimizer
@@ -93,7 +94,10 @@ def short_step(passes_by_rank, k=4):
     n = grads.shape[0]
     mean = grads.mean(0)
     ref = GainEstimator(scale=hvd.size() * k * n / (hvd.size() * k))
-    gain = ref.update(float(grads.square().sum()), float(mean @ mean), n)
+    # Each rank's sum of its passes read once (the default at two workers): |G_w|^2 / k_w.
+    per_rank = list(torch.split(grads, list(passes_by_rank)))
+    sqnorm_sum, samples = read_worker_sums([list(g) for g in per_rank])
+    gain = ref.update(sqnorm_sum, float(mean @ mean), n, samples=samples)
     emit("short", passes=passes_by_rank, n=n, scale=opt.scale, progress=opt.progress,
          lr_factor=opt.lr_factor, ref_gain=gain, sigma2=opt.sigma2, ref_sigma2=ref.sigma2,
          mu2=opt.mu2, ref_mu2=ref.mu2,

@@ -27,6 +27,11 @@ from _report import emit_result
 
 STEPS = 6
 LR = 0.05
+# Every pass read: the reference is one process taking the W ranks' passes, which can read each
+# pass but not each rank's sum. The default at two workers (each rank's sum read once) is checked
+# against one-process references that read as it does (tests/workers/_reference.py) in
+# test_ddp.py, test_parity.py, test_torch_adapter.py, test_keras_adapter.py, test_ddp_options.py.
+SAMPLES = "passes"
 POLICIES = {"none": "none", "warmup": "warmup:baseline_steps=8", "adascale": "adascale",
             "adascale_adam": "adascale_adam"}
 CHANGES = ("steady", "adapt", "set_passes", "checkpoint", "adapt_checkpoint", "short", "join",
@@ -132,7 +137,7 @@ def torch_cell(ranks, change, spec, measured, args, engine="horovod"):
         adapt = change in ("adapt", "adapt_checkpoint")
         where = {"model": wrapped} if engine == "ddp" else \
             {"named_parameters": model.named_parameters()}
-        opt = DistributedOptimizer(inner, **where, policy=spec,
+        opt = DistributedOptimizer(inner, **where, policy=spec, samples=SAMPLES,
                                    backward_passes_per_step=k_schedule(change, 1) * mult,
                                    measure=measured,
                                    adapt="goodput" if adapt else None,
@@ -212,7 +217,7 @@ def keras_cell(ranks, loop, change, spec, measured, args):
         inner = (keras.optimizers.Adam(LR * 0.1, name="inner") if spec.startswith("adascale_adam")
                  else keras.optimizers.SGD(LR, momentum=0.9, name="inner"))
         adapt = change in ("adapt", "adapt_checkpoint", "set_passes")  # Keras: k changes only so
-        opt = DistributedOptimizer(inner, policy=spec, name="hvd_scale",
+        opt = DistributedOptimizer(inner, policy=spec, name="hvd_scale", samples=SAMPLES,
                                    backward_passes_per_step=k_schedule(change, 1) * mult,
                                    measure=measured,
                                    adapt="goodput" if adapt else None,
