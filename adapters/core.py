@@ -80,6 +80,8 @@ class Request:
     samples: what a step's statistics read (``hvd_scale.estimate.SAMPLES``): "passes" every
         micro-gradient, "workers" each worker's accumulated gradient once (reads flat in k),
         "auto" workers from two workers on.
+    samples_environment: ``$HVD_SCALE_SAMPLES`` (the adapter resolves it: ``environment.samples``),
+        taken where ``samples`` is "auto".
     """
 
     policy: str | Policy | None = None
@@ -91,6 +93,7 @@ class Request:
     log_dir: str | None = None
     log_every: int | None = None
     samples: str = "auto"
+    samples_environment: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +172,7 @@ class Scaling:
         scale = float(hvd.size() * passes) if request.scale is None else request.scale
         log_dir = request.log_dir
         # Fixed for the optimizer's life (its hooks): "workers" or "passes".
-        self.samples = resolve_samples(request.samples, hvd.size())
+        self.samples = resolve_samples(request.samples, hvd.size(), request.samples_environment)
 
         def measured(built: Policy) -> bool:
             # One micro-gradient at S = 1 (one process, k = 1, not elastic, k fixed) measures

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from hvd_scale.adapters.log import check_every
+from hvd_scale.estimate import SAMPLES_ENV
 from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
 
 
@@ -31,3 +32,9 @@ def log_every() -> int | None:
         every = value
     return check_every(every, f"${LOG_EVERY_ENV}={value!r} (set by hvd-scale run --log-every, or "
                               "in the environment)")
+
+
+def samples() -> str | None:
+    """What the statistics read where the code leaves it to the job: ``$HVD_SCALE_SAMPLES``
+    ("workers" or "passes"; ``hvd_scale.estimate.resolve_samples`` checks it), else None."""
+    return os.environ.get(SAMPLES_ENV) or None

@@ -97,18 +97,25 @@ def check_scale(scale: Any) -> float:
 # once (cost flat in k; needs W >= 2); "auto", workers from two workers on, else passes.
 # benchmarks/results/estimator_variance.md measures what each costs in variance.
 SAMPLES = ("auto", "workers", "passes")
+# The environment's choice where the code leaves samples="auto" (a job's script unchanged).
+SAMPLES_ENV = "HVD_SCALE_SAMPLES"
 
 
-def resolve_samples(samples: Any, workers: int) -> str:
-    """"workers" or "passes" for an adapter's ``samples=`` at W = ``workers``."""
+def resolve_samples(samples: Any, workers: int, environment: str | None = None) -> str:
+    """"workers" or "passes" for an adapter's ``samples=`` at W = ``workers``; ``environment``:
+    ``$HVD_SCALE_SAMPLES``, taken where ``samples`` is "auto"."""
+    if samples == "auto" and environment:
+        where = f"${SAMPLES_ENV}={environment!r}"
+        samples = environment
+    else:
+        where = f"samples={samples!r}"
     if samples not in SAMPLES:
-        raise ValueError(f"samples must be one of {SAMPLES}, got {samples!r}")
+        raise ValueError(f"{where}: must be one of {SAMPLES}")
     if samples == "auto":
         return "workers" if workers >= 2 else "passes"
     if samples == "workers" and workers < 2:
-        raise ValueError(f"samples='workers' reads one accumulated gradient per worker and needs "
-                         f"at least 2 workers to see a variance, got {workers}: use "
-                         "samples='passes' (or 'auto')")
+        raise ValueError(f"{where} reads one accumulated gradient per worker and needs at least "
+                         f"2 workers to see a variance, got {workers}: use 'passes' (or 'auto')")
     return samples
 
 

@@ -558,3 +558,21 @@ def test_samples_equal_to_n_is_todays_estimator_bit_for_bit():
 def test_samples_outside_two_to_n_are_refused(samples):
     with pytest.raises(ValueError, match=f"samples = {samples}.*between 2 and its n = 4"):
         estimate_moments(8.0, 1.25, 4, 4.0, samples=samples)
+
+
+def test_samples_resolve_to_workers_from_two_workers_and_refuse_what_cannot_measure():
+    """#50: what a step's statistics read. auto: each worker's accumulated gradient from two
+    workers on, else every pass; $HVD_SCALE_SAMPLES where the code leaves it at auto; bad values
+    and one worker's sum (no variance) refused, naming where the value came from."""
+    from hvd_scale.estimate import resolve_samples
+
+    assert [resolve_samples("auto", w) for w in (1, 2, 64)] == ["passes", "workers", "workers"]
+    assert resolve_samples("passes", 8) == "passes" and resolve_samples("workers", 2) == "workers"
+    assert resolve_samples("auto", 8, "passes") == "passes"
+    assert resolve_samples("workers", 8, "passes") == "workers"  # the code's own choice stands
+    with pytest.raises(ValueError, match=r"\$HVD_SCALE_SAMPLES='each': must be one of"):
+        resolve_samples("auto", 2, "each")
+    with pytest.raises(ValueError, match=r"samples='workers' reads one .* got 1: use 'passes'"):
+        resolve_samples("workers", 1)
+    with pytest.raises(ValueError, match=r"samples=True: must be one of"):
+        resolve_samples(True, 2)
