@@ -98,8 +98,8 @@ def _torchrun_line_problem(args: argparse.Namespace) -> str | None:
     given += args.horovodrun_args
     if given:
         return (f"{' '.join(given)}: the torchrun command line sets the processes, nodes and "
-                "rendezvous itself; give them there (only --policy, --log-dir and --log-every "
-                "go with it)")
+                "rendezvous itself; give them there (only --policy, --log-dir, --log-every and "
+                "--samples go with it)")
     return None
 
 
@@ -208,7 +208,7 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         return engines.run_command(command, np=np_, engine=args.engine, policy=args.policy,
                                    log_dir=args.log_dir, min_np=args.min_np, max_np=args.max_np,
-                                   log_every=args.log_every, **options)
+                                   log_every=args.log_every, samples=args.samples, **options)
     except engines.EngineUnavailable as e:
         print(f"hvd-scale run: {e}", file=sys.stderr)
         return 127
@@ -364,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-every", type=int, default=None, metavar="N",
                      help="Write every N-th step's metrics row (default: every step up to 1,000, "
                           "every 10th up to 10,000, every 100th after; the last step always).")
+    run.add_argument("--samples", choices=("workers", "passes"), default=None,
+                     help="What the gradient statistics read where the script leaves it to the "
+                          "job (samples='auto'): each worker's accumulated gradient once "
+                          "(workers; the default from two workers on) or every backward pass "
+                          "(passes). Sets HVD_SCALE_SAMPLES.")
     run.add_argument("--min-np", type=int, default=None,
                      help="Elastic: the fewest workers the job runs with (horovodrun, ray; "
                           "torchrun: the fewest nodes, its --nnodes MIN:MAX).")

@@ -50,6 +50,7 @@ from hvd_scale.launch.jobs import (CPU_ENV_DEFAULTS, GPU_ENV_DEFAULTS,  # noqa: 
                                    horovodrun_command, is_torchrun_command, start_np,
                                    torchrun_command)
 from hvd_scale.adapters.log import check_every
+from hvd_scale.estimate import SAMPLES, SAMPLES_ENV
 from hvd_scale.metrics import LOG_DIR_ENV, LOG_EVERY_ENV
 from hvd_scale.spec import POLICY_ENV, parse_spec
 
@@ -165,10 +166,11 @@ class Engine(Protocol):
 
 def worker_env(policy: str | None = None, log_dir: str | os.PathLike | None = None,
                environ: Mapping[str, str] | None = None, gpu: bool | None = None,
-               log_every: int | None = None) -> dict[str, str]:
+               log_every: int | None = None, samples: str | None = None) -> dict[str, str]:
     """The variables hvd_scale hands every worker: CPU_ENV_DEFAULTS, or GPU_ENV_DEFAULTS where the
     driver has a GPU (``gpu``; default ``driver_has_gpu()``), each unless the driver's environment
-    sets it; the policy spec and the absolute log directory (created here)."""
+    sets it; the policy spec, the absolute log directory (created here), and what the
+    statistics read (``samples``: ``hvd_scale.estimate.SAMPLES``)."""
     environ = os.environ if environ is None else environ
     defaults = GPU_ENV_DEFAULTS if (driver_has_gpu() if gpu is None else gpu) else CPU_ENV_DEFAULTS
     env = {key: environ.get(key, value) for key, value in defaults.items()}
@@ -180,12 +182,16 @@ def worker_env(policy: str | None = None, log_dir: str | os.PathLike | None = No
         os.makedirs(env[LOG_DIR_ENV], exist_ok=True)
     if check_every(log_every, "log_every") is not None:
         env[LOG_EVERY_ENV] = str(log_every)
+    if samples is not None:
+        if samples not in SAMPLES:
+            raise ValueError(f"samples must be one of {SAMPLES}, got {samples!r}")
+        env[SAMPLES_ENV] = samples
     return env
 
 
 def make_job(np: int | None = None, policy: str | None = None, log_dir=None,
              min_np: int | None = None, max_np: int | None = None,
-             log_every: int | None = None) -> Job:
+             log_every: int | None = None, samples: str | None = None) -> Job:
     """A Job after checking the numbers; ValueError names what is wrong."""
     for name, value in (("np", np), ("min_np", min_np), ("max_np", max_np)):
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -196,7 +202,8 @@ def make_job(np: int | None = None, policy: str | None = None, log_dir=None,
         raise ValueError(f"min_np must be <= max_np, got min_np={min_np}, max_np={max_np}")
     if np is None and min_np is None:
         np = DEFAULT_NP
-    return Job(np=np, env=worker_env(policy, log_dir, log_every=log_every), min_np=min_np,
+    return Job(np=np, env=worker_env(policy, log_dir, log_every=log_every, samples=samples),
+               min_np=min_np,
                max_np=max_np)
 
 
@@ -240,11 +247,11 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), np: int | None = None,
 def run_command(command: Sequence[str], np: int | None = None, engine: str | Engine = "horovodrun",
                 policy: str | None = None, log_dir=None, *, min_np: int | None = None,
                 max_np: int | None = None, log_every: int | None = None,
-                **engine_options: Any) -> int:
+                samples: str | None = None, **engine_options: Any) -> int:
     """Run an unchanged training command on np workers of `engine`; its exit status."""
     if not command:
         raise ValueError("give the command to run")
-    job = make_job(np, policy, log_dir, min_np, max_np, log_every)
+    job = make_job(np, policy, log_dir, min_np, max_np, log_every, samples)
     eng = make_engine(engine, **engine_options)
     earlier = {p.pid for p in _below([_this_process()])}  # not the job's: never stopped
     with _StopOnSignals() as stop:

@@ -320,7 +320,10 @@ def test_log_interval_keeps_a_long_run_small_and_its_last_step(tmp_path):
     with pytest.raises(ValueError, match="log every must be an integer >= 1.*got 0"):
         MetricsLogger(tmp_path / "x", every=0)
     env = worker_env(log_every=50, environ={}, gpu=False)
-    assert env["HVD_SCALE_LOG_EVERY"] == "50"
+    assert env["HVD_SCALE_LOG_EVERY"] == "50" and "HVD_SCALE_SAMPLES" not in env
+    assert worker_env(samples="passes", environ={}, gpu=False)["HVD_SCALE_SAMPLES"] == "passes"
+    with pytest.raises(ValueError, match=r"samples must be one of .*got 'each'"):
+        worker_env(samples="each", environ={}, gpu=False)
     with pytest.raises(ValueError, match="log_every must be an integer >= 1"):
         worker_env(log_every=-1, environ={}, gpu=False)
     os.environ["HVD_SCALE_LOG_EVERY"] = "x"
