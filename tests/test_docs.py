@@ -353,8 +353,8 @@ def test_command_line_parses(line, monkeypatch, capsys):
     started = []
 
     def check_job(command, np=None, engine="horovodrun", policy=None, log_dir=None, *, min_np=None,
-                  max_np=None, log_every=None, **options):
-        job = engines.make_job(np, policy, None, min_np, max_np, log_every)  # no log dir made
+                  max_np=None, log_every=None, samples=None, **options):
+        job = engines.make_job(np, policy, None, min_np, max_np, log_every, samples)  # no log dir
         if engine == "horovodrun":
             cmd = engines.HorovodrunEngine(**options).command_line(command, job)
             assert "-np" in cmd, cmd
