@@ -3,6 +3,20 @@
     .venv/bin/python benchmarks/ddp_overhead.py --repeats 3          # 3 torchrun jobs
     .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/ddp_overhead.py   # one job
 
+#50 (the statistics' cost against k, per-worker and per-pass samples; 3 torchrun jobs per command,
+written beside each other into results/samples_cost, the driver recording after each job; the
+Transformer's k = 64 apart, with fewer steps, to fit a shared 2-core machine):
+
+    .venv/bin/python benchmarks/ddp_overhead.py --repeats 3 --out samples_cost --models mlp \
+        --passes 1,4,16,64 --steps 20,8,2,2 --rounds 10,4,2,2 --warmup 1,1,1,1 \
+        --variants ddp,none,adascale,adascale/passes
+    .venv/bin/python benchmarks/ddp_overhead.py --repeats 3 --out samples_cost \
+        --models transformer_adam --passes 1,4,16 --steps 20,8,2 --rounds 10,4,2 --warmup 1,1,1 \
+        --variants ddp,none,adascale_adam,adascale_adam/passes
+    .venv/bin/python benchmarks/ddp_overhead.py --repeats 3 --out samples_cost \
+        --models transformer_adam --passes 64 --steps 2 --rounds 2 --warmup 1 \
+        --variants ddp,none,adascale_adam,adascale_adam/passes
+
 Run without torchrun, the script is the driver: it starts ``--repeats`` jobs of itself under
 ``torchrun --standalone --nproc-per-node 2`` (one thread per process, fairscale on the
 PYTHONPATH when ~/.cache/hvd_scale/fairscale-0.4.13 holds it: benchmarks/overhead.py installs it
@@ -17,7 +31,11 @@ ratios are paired round by round):
                k - 1 passes under ``model.no_sync()``, each pass's loss / k: DDP's idiom)
     none       hvd_scale.adapters.torch.ddp.DistributedOptimizer(SGD, model, policy="none",
                backward_passes_per_step=k) (the same no_sync passes, each micro-batch's loss)
-    adascale   the same with policy="adascale"
+    adascale   the same with policy="adascale" (samples "auto": per-worker statistics from two
+               workers on, read in the comm hook at the synchronizing pass)
+    adascale/passes   the same with samples="passes" (a tensor hook per parameter per pass; #50)
+    adascale_adam[/passes]   policy adascale_adam, on Adam's models (transformer_adam: B4's
+               Transformer with Adam as every variant's inner optimizer) in place of adascale
     fairscale  fairscale 0.4.13's AdaScale(SGD) over DDP, at k = 1 only, where importable
 
 A step is zero_grad, k x (forward, backward) on the rank's k fixed micro-batches, step.
@@ -98,7 +116,7 @@ def job(args) -> int:
 
     from hvd_scale.adapters.torch.ddp import DistributedOptimizer
     from hvd_scale.launch.jobs import print_result
-    from torch_overhead import MODELS as BUILDERS
+    from torch_overhead import inner_optimizer, kinds_for, model_spec, variant_kind
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
@@ -109,20 +127,25 @@ def job(args) -> int:
         AdaScale = None
     loss_fn = torch.nn.CrossEntropyLoss()
 
+    passes = [int(v) for v in args.passes.split(",")]
+    steps_k, warmup_k, rounds_k = (timing.per_k(getattr(args, w), passes, w)
+                                   for w in ("steps", "warmup", "rounds"))
     for name in args.models.split(","):
-        build, shape = BUILDERS[name]
-        for k in (int(v) for v in args.passes.split(",")):
-            kinds = [v for v in args.variants.split(",")
-                     if v != "fairscale" or (k == 1 and AdaScale is not None)]
+        build, shape, inner = model_spec(name)
+        for ik, k in enumerate(passes):
+            kinds = [v for v in kinds_for(name, args.variants.split(","))
+                     if v != "fairscale" or (k == 1 and AdaScale is not None and inner == "sgd")]
             variants = {}
             for kind in kinds:
                 torch.manual_seed(0)
                 model = DDP(build())
-                opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+                opt = inner_optimizer(model, inner)
                 if kind == "fairscale":
                     opt = AdaScale(opt)
                 elif kind != "ddp":
-                    opt = DistributedOptimizer(opt, model, policy=kind, backward_passes_per_step=k)
+                    policy, samples = variant_kind(kind)
+                    opt = DistributedOptimizer(opt, model, policy=policy, backward_passes_per_step=k,
+                                               samples=samples)
                 variants[kind] = (model, opt)
             g = torch.Generator().manual_seed(1000 + rank)
             xs = [torch.randn(args.batch, *shape, generator=g) for _ in range(k)]
@@ -131,12 +154,12 @@ def job(args) -> int:
             def step_of(kind, model, opt, k=k, xs=xs, ys=ys):
                 return lambda: ddp_step(kind, model, opt, xs, ys, k, loss_fn)
 
-            steps = args.steps
-            per_round = max(1, steps // args.rounds)
+            steps, rounds, warmup = steps_k[ik], min(rounds_k[ik], steps_k[ik]), warmup_k[ik]
+            per_round = max(1, steps // rounds)
             t0 = time.perf_counter()
             times = timing.interleave({kind: step_of(kind, *v) for kind, v in variants.items()},
-                                      args.rounds, per_round, args.warmup)
-            summary = timing.summarize(times, kinds[0])
+                                      rounds, per_round, warmup)
+            summary = timing.summarize(times, kinds[0], also=("none",))
             wall = time.perf_counter() - t0
 
             def flat(model):
@@ -150,16 +173,17 @@ def job(args) -> int:
                     a, b = flat(variants["ddp"][0]), flat(variants["none"][0])
                     start = flat(_initial(build, torch))
                     checks["none_vs_ddp_weights_rel"] = float((a - b).norm() / (a - start).norm())
-            if "adascale" in variants:
-                checks["gain_adascale"] = float(variants["adascale"][1].gain)
-                checks["scale_adascale"] = float(variants["adascale"][1].scale)
+            for kind in variants:
+                if kind.startswith("adascale"):
+                    checks[f"gain_{kind}"] = float(variants[kind][1].gain)
+                    checks[f"scale_{kind}"] = float(variants[kind][1].scale)
             if "fairscale" in variants:
                 checks["gain_fairscale"] = float(variants["fairscale"][1].gain())
             first = variants[kinds[0]][0].module
             out = {"model": name, "k": k, "workers": world, "batch": args.batch,
                    "params": sum(p.numel() for p in first.parameters()),
                    "tensors": sum(1 for _ in first.parameters()),
-                   "steps_each": args.warmup + args.rounds * per_round, "rounds": args.rounds,
+                   "inner": inner, "steps_each": warmup + rounds * per_round, "rounds": rounds,
                    "wall_s": wall, **summary, "checks": checks}
             if rank == 0:
                 print_result({"rank": 0, **out})
@@ -201,6 +225,18 @@ def drive(args, argv) -> int:
     code = {"head": _git("rev-parse", "--short", "HEAD"),
             "ddp.py uncommitted": bool(_git("status", "--porcelain", "adapters/torch/ddp.py"))}
     jobs = []
+    if args.out != "ddp_overhead":  # #50's table (timing.record_samples_cost)
+        for i in range(args.repeats):
+            jobs.append(timing.job_record(cmd, env))
+            j = jobs[-1]
+            print(f"job {i + 1}: {j['start']}-{j['end']}, load {j['loadavg_1min']}",
+                  {f"{r['model']}/k={r['k']}": {v: round(f["ratio_to_none"], 3) for v, f in r.items()
+                                                if isinstance(f, dict) and "ratio_to_none" in f}
+                   for r in j["rows"]}, flush=True)
+            timing.record_samples_cost(  # after each job: a run cut short keeps its finished jobs
+                args.out, "ddp", f".venv/bin/python benchmarks/ddp_overhead.py {shlex.join(argv)}",
+                "ddp", jobs)
+        return 0
     for i in range(args.repeats):
         load0, t0 = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
         out = timing.run_job(cmd, env, timeout=3600)
@@ -290,12 +326,15 @@ def main(argv=None) -> int:
     p.add_argument("--passes", default="1,4", help="values of k, comma-separated")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated, the first the baseline (ddp); fairscale at k = 1 only")
-    p.add_argument("--steps", type=int, default=120, help="measured steps per variant per (model, k)")
-    p.add_argument("--rounds", type=int, default=20, help="interleaving rounds")
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", default="120",
+                   help="measured steps per variant per (model, k): one, or one per k")
+    p.add_argument("--rounds", default="20", help="interleaving rounds (one, or one per k)")
+    p.add_argument("--warmup", default="10", help="untimed steps (one, or one per k)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="driver: torchrun jobs")
-    p.add_argument("--out", default="ddp_overhead", help="driver: results/<out>.md and .json")
+    p.add_argument("--out", default="ddp_overhead",
+                   help="driver: results/<out>.md and .json; a name other than ddp_overhead: "
+                        "#50's table (timing.record_samples_cost)")
     args = p.parse_args(argv)
     if "LOCAL_RANK" in os.environ:  # started by torchrun: one job
         return job(args)

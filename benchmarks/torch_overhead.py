@@ -2,20 +2,41 @@
 
     .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/torch_overhead.py
 
+#50 (the statistics' cost against k; 3 horovodrun jobs per command, both written beside each other
+into results/samples_cost.md/.json; the CNNs without k = 64 to fit a shared 2-core machine):
+
+    .venv/bin/python benchmarks/torch_overhead.py --repeats 3 --out samples_cost \
+        --models mlp,transformer_adam --passes 1,4,16,64 --steps 20,8,2,2 --rounds 10,4,2,2 \
+        --warmup 1,1,1,1 \
+        --variants plain,none,adascale,adascale/passes,adascale_adam,adascale_adam/passes
+    .venv/bin/python benchmarks/torch_overhead.py --repeats 3 --out samples_cost \
+        --models cnn,cnn2d --passes 1,4,16 --steps 10,4,2 --rounds 10,4,2 --warmup 1,1,1 \
+        --variants plain,none,adascale,adascale/passes
+
+With --repeats the script is the driver: it starts that many jobs of itself under
+``horovodrun -np 2 -H localhost:2 --gloo`` (one thread per process, Horovod's default cycle).
+
 Variants, interleaved round by round in one job so that machine noise hits all of them alike:
     plain     hvd.DistributedOptimizer(SGD)
     none      hvd_scale DistributedOptimizer, policy none (no statistics)
-    adascale  hvd_scale DistributedOptimizer, policy adascale
+    adascale  hvd_scale DistributedOptimizer, policy adascale (samples "auto": per-worker
+              statistics from two workers on)
+    adascale/passes          the same with samples="passes" (the per-pass estimator)
+    adascale_adam[/passes]   policy adascale_adam: on Adam's models (transformer_adam) in place
+              of adascale, which refuses Adam; each is skipped where it does not apply
 Models: a 1-D CNN with > 1M parameters, an MLP with > 100 small parameter tensors, a 2-D CNN
-with many parameters per FLOP, and B4's Transformer (69 tensors).
-Reported: median step time (forward + backward + step), and each variant's ratio to plain paired
-round by round (benchmarks/timing.py).
+with many parameters per FLOP, B4's Transformer (69 tensors), and transformer_adam: the same
+Transformer with Adam (lr 1e-3) as every variant's inner optimizer (SGD, momentum 0.9, elsewhere).
+Reported: median step time (zero_grad, k x (forward + backward), step), and each variant's ratio to
+plain (and to none) paired round by round (benchmarks/timing.py). --passes, --steps, --rounds and
+--warmup take one value or one per k.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 
 import horovod.torch as hvd
@@ -84,15 +105,43 @@ def transformer() -> torch.nn.Module:
 
 MODELS = {"cnn": (cnn, (1, 40)), "mlp": (mlp, (40,)), "cnn2d": (cnn2d, (3, 16, 16)),
           "transformer": (transformer, (_TransformerBench.SRC + _TransformerBench.TGT,))}
+# Models trained with Adam (every variant's inner optimizer): name -> the MODELS entry.
+ADAM_MODELS = {"transformer_adam": "transformer"}
 
 
-def make_variant(kind: str, model: torch.nn.Module, passes: int = 1):
-    base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+def model_spec(name: str):
+    """(build, input shape, inner optimizer "sgd" | "adam") of a model name."""
+    build, shape = MODELS[ADAM_MODELS.get(name, name)]
+    return build, shape, "adam" if name in ADAM_MODELS else "sgd"
+
+
+def variant_kind(kind: str) -> tuple[str, str]:
+    """(policy, samples) of a variant name: "adascale/passes" is policy adascale, samples="passes"."""
+    policy, _, samples = kind.partition("/")
+    return policy, samples or "auto"
+
+
+def inner_optimizer(model: torch.nn.Module, inner: str = "sgd") -> torch.optim.Optimizer:
+    if inner == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def make_variant(kind: str, model: torch.nn.Module, passes: int = 1, inner: str = "sgd"):
+    base = inner_optimizer(model, inner)
     if kind == "plain":
         return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                         backward_passes_per_step=passes)
-    return DistributedOptimizer(base, named_parameters=model.named_parameters(), policy=kind,
-                                backward_passes_per_step=passes)
+    policy, samples = variant_kind(kind)
+    return DistributedOptimizer(base, named_parameters=model.named_parameters(), policy=policy,
+                                backward_passes_per_step=passes, samples=samples)
+
+
+def kinds_for(model_name: str, kinds) -> tuple:
+    """The variants that apply to a model: adascale_adam where the inner optimizer is Adam,
+    adascale (whose theory is SGD's; it refuses Adam) where it is SGD."""
+    adam = model_spec(model_name)[2] == "adam"
+    return tuple(k for k in kinds if variant_kind(k)[0] != ("adascale" if adam else "adascale_adam"))
 
 
 def time_interleaved(variants: dict, shape, batch: int, rank: int, steps: int, warmup: int,
@@ -115,44 +164,92 @@ def time_interleaved(variants: dict, shape, batch: int, rank: int, steps: int, w
 
     times = timing.interleave({kind: step_of(*v) for kind, v in variants.items()}, rounds,
                               max(1, steps // rounds), warmup)
-    return timing.summarize(times, baseline)
+    return timing.summarize(times, baseline, also=("none",))
 
 
 def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int,
         kinds=("plain", "none", "adascale"), passes: int = 1) -> dict:
-    build, shape = MODELS[model_name]
+    build, shape, inner = model_spec(model_name)
+    kinds = kinds_for(model_name, kinds)
     variants = {}
     for kind in kinds:
         torch.manual_seed(0)
         model = build()
-        variants[kind] = (model, make_variant(kind, model, passes))
+        variants[kind] = (model, make_variant(kind, model, passes, inner))
     first = next(iter(variants.values()))[0]
     params = sum(p.numel() for p in first.parameters())
     tensors = sum(1 for _ in first.parameters())
     out = {"model": model_name, "params": params, "tensors": tensors, "batch": batch,
-           "passes": passes, "workers": hvd.size(),
+           "passes": passes, "k": passes, "inner": inner, "workers": hvd.size(),
            **time_interleaved(variants, shape, batch, hvd.rank(), steps, warmup, rounds,
                               baseline=kinds[0], passes=passes)}
     return out
 
 
+def per_k(value: str, passes: list[int], what: str) -> list[int]:
+    """One int per k from "N" (every k) or "N1,N2,..." (one per k of --passes)."""
+    values = [int(v) for v in str(value).split(",")]
+    if len(values) == 1:
+        return values * len(passes)
+    if len(values) != len(passes):
+        raise SystemExit(f"--{what} {value}: one value, or one per k of --passes ({len(passes)})")
+    return values
+
+
+def drive(args, argv) -> int:
+    """--repeats horovodrun jobs of this script; their rows into results/<out>.md/.json
+    (timing.record_samples_cost: #50's table, one engine of several)."""
+    import shlex
+
+    from hvd_scale.launch.jobs import horovodrun_command
+
+    job_args = [a for i, a in enumerate(argv) if a not in ("--repeats", "--out")
+                and (i == 0 or argv[i - 1] not in ("--repeats", "--out"))]
+    job_args = [a for a in job_args if not a.startswith(("--repeats=", "--out="))]
+    python = pathlib.Path(sys.executable).parent / "python"
+    cmd = horovodrun_command([python, "benchmarks/torch_overhead.py", *job_args], 2,
+                             controller="gloo")
+    jobs = []
+    for i in range(args.repeats):
+        jobs.append(timing.job_record(cmd, {}))
+        j = jobs[-1]
+        print(f"job {i + 1}: {j['start']}-{j['end']}, load {j['loadavg_1min']}",
+              {f"{r['model']}/k={r['k']}": {v: round(f["ratio_to_none"], 3) for v, f in r.items()
+                                            if isinstance(f, dict) and "ratio_to_none" in f}
+               for r in j["rows"]}, flush=True)
+    timing.record_samples_cost(args.out, "horovod",
+                               f".venv/bin/python benchmarks/torch_overhead.py {shlex.join(argv)}",
+                               "plain", jobs)
+    return 0
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="cnn,mlp")
-    p.add_argument("--steps", type=int, default=180, help="measured steps per variant")
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", default="180", help="measured steps per variant (one, or one per k)")
+    p.add_argument("--warmup", default="10", help="untimed steps (one, or one per k)")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=30, help="interleaving rounds")
+    p.add_argument("--rounds", default="30", help="interleaving rounds (one, or one per k)")
     p.add_argument("--variants", default="plain,none,adascale")
-    p.add_argument("--passes", type=int, default=1, help="k backward passes per step (every variant)")
+    p.add_argument("--passes", default="1", help="k backward passes per step (every variant); "
+                   "comma-separated: each k in turn")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="the driver: this many horovodrun -np 2 jobs, into results/<out>")
+    p.add_argument("--out", default="samples_cost", help="the driver: results/<out>.md and .json")
     args = p.parse_args(argv)
+    if args.repeats:
+        return drive(args, argv)
+    passes = [int(v) for v in args.passes.split(",")]
+    steps, warmup, rounds = (per_k(getattr(args, w), passes, w) for w in ("steps", "warmup", "rounds"))
     hvd.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for name in args.models.split(","):
-        result = run(name, args.steps, args.warmup, args.batch, args.rounds,
-                     tuple(args.variants.split(",")), args.passes)
-        if hvd.rank() == 0:
-            print_result({"rank": 0, **result})
+        for i, k in enumerate(passes):
+            result = run(name, steps[i], warmup[i], args.batch, min(rounds[i], steps[i]),
+                         tuple(args.variants.split(",")), k)
+            if hvd.rank() == 0:
+                print_result({"rank": 0, **result})
     return 0
 
 
