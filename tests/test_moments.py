@@ -239,7 +239,7 @@ def test_adapter_settings_give_the_rule_by_hand_and_the_correction_between_steps
             # Noise-only statistics: the gain climbs from 1 towards S once measured (step 21 on).
             before = scaling.run.policy.progress
             (_, lr, beta1, beta2, eps, _), = scaling.plan(
-                [8.0 * (1 + 0.1 * t), 8.0, 1.0], True, [[LR, B1, B2, EPS, math.nan, float(t)]])
+                [8.0 * (1 + 0.1 * t), 8.0, 8.0, 1.0], True, [[LR, B1, B2, EPS, math.nan, float(t)]])
             record = scaling.run.policy
             gains.append(record.progress - before)  # tau advances by the step's gain
             m = beta1 * m + (1 - beta1) * g
