@@ -224,19 +224,11 @@ def drive(args, argv) -> int:
            "benchmarks/ddp_overhead.py", *job_args]
     code = {"head": _git("rev-parse", "--short", "HEAD"),
             "ddp.py uncommitted": bool(_git("status", "--porcelain", "adapters/torch/ddp.py"))}
-    jobs = []
     if args.out != "ddp_overhead":  # #50's table (timing.record_samples_cost)
-        for i in range(args.repeats):
-            jobs.append(timing.job_record(cmd, env))
-            j = jobs[-1]
-            print(f"job {i + 1}: {j['start']}-{j['end']}, load {j['loadavg_1min']}",
-                  {f"{r['model']}/k={r['k']}": {v: round(f["ratio_to_none"], 3) for v, f in r.items()
-                                                if isinstance(f, dict) and "ratio_to_none" in f}
-                   for r in j["rows"]}, flush=True)
-            timing.record_samples_cost(  # after each job: a run cut short keeps its finished jobs
-                args.out, "ddp", f".venv/bin/python benchmarks/ddp_overhead.py {shlex.join(argv)}",
-                "ddp", jobs)
-        return 0
+        return timing.drive_samples_cost(
+            cmd, env, args.repeats, args.out, "ddp",
+            f".venv/bin/python benchmarks/ddp_overhead.py {shlex.join(argv)}", "ddp")
+    jobs = []
     for i in range(args.repeats):
         load0, t0 = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
         out = timing.run_job(cmd, env, timeout=3600)

@@ -203,18 +203,10 @@ def drive(args, argv) -> int:
         if len(settings) != 1:
             raise SystemExit(f"--out {args.out}: one setting (--settings)")
         (name, env), = settings.items()
-        jobs = []
-        for i in range(args.repeats):
-            jobs.append(timing.job_record(cmd, env))
-            j = jobs[-1]
-            print(f"job {i + 1}: {j['start']}-{j['end']}, load {j['loadavg_1min']}",
-                  {f"{r['model']}/k={r['k']}": {v: round(f["ratio_to_none"], 3) for v, f in r.items()
-                                                if isinstance(f, dict) and "ratio_to_none" in f}
-                   for r in j["rows"]}, flush=True)
-            timing.record_samples_cost(  # after each job: a run cut short keeps its finished jobs
-                args.out, "keras", f".venv/bin/python benchmarks/keras_overhead.py {shlex.join(argv)}"
-                f"  (setting: {name})", "plain", jobs)
-        return 0
+        return timing.drive_samples_cost(
+            cmd, env, args.repeats, args.out, "keras",
+            f".venv/bin/python benchmarks/keras_overhead.py {shlex.join(argv)}  (setting: {name})",
+            "plain")
     runs_of: dict = {name: [] for name in settings}
     for _ in range(args.repeats):
         for name, env in settings.items():

@@ -102,6 +102,23 @@ def job_record(cmd: Sequence[str], env_extra: Mapping[str, str], timeout: float 
             "rows": [r for r in read_results(out) if "model" in r]}
 
 
+def drive_samples_cost(cmd: Sequence[str], env_extra: Mapping[str, str], repeats: int, out: str,
+                       engine: str, command: str, baseline: str) -> int:
+    """A driver's run for #50's table: ``repeats`` jobs of ``cmd`` (``job_record``), each one's
+    ratios to none printed, the table rewritten after each job (a run cut short keeps its
+    finished jobs: ``record_samples_cost``)."""
+    jobs = []
+    for i in range(repeats):
+        jobs.append(job_record(cmd, env_extra))
+        j = jobs[-1]
+        print(f"job {i + 1}: {j['start']}-{j['end']}, load {j['loadavg_1min']}",
+              {f"{r['model']}/k={r['k']}": {v: round(f["ratio_to_none"], 3) for v, f in r.items()
+                                            if isinstance(f, dict) and "ratio_to_none" in f}
+               for r in j["rows"]}, flush=True)
+        record_samples_cost(out, engine, command, baseline, jobs)
+    return 0
+
+
 def record_samples_cost(out: str, engine: str, command: str, baseline: str, jobs: list) -> None:
     """Put one driver run's jobs (``job_record``s; rows with model, k and each variant's
     ratio_to_<baseline> and ratio_to_none) into results/<out>.json, beside the engine's other runs

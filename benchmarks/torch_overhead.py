@@ -186,16 +186,6 @@ def run(model_name: str, steps: int, warmup: int, batch: int, rounds: int,
     return out
 
 
-def per_k(value: str, passes: list[int], what: str) -> list[int]:
-    """One int per k from "N" (every k) or "N1,N2,..." (one per k of --passes)."""
-    values = [int(v) for v in str(value).split(",")]
-    if len(values) == 1:
-        return values * len(passes)
-    if len(values) != len(passes):
-        raise SystemExit(f"--{what} {value}: one value, or one per k of --passes ({len(passes)})")
-    return values
-
-
 def drive(args, argv) -> int:
     """--repeats horovodrun jobs of this script; their rows into results/<out>.md/.json
     (timing.record_samples_cost: #50's table, one engine of several)."""
@@ -209,18 +199,9 @@ def drive(args, argv) -> int:
     python = pathlib.Path(sys.executable).parent / "python"
     cmd = horovodrun_command([python, "benchmarks/torch_overhead.py", *job_args], 2,
                              controller="gloo")
-    jobs = []
-    for i in range(args.repeats):
-        jobs.append(timing.job_record(cmd, {}))
-        j = jobs[-1]
-        print(f"job {i + 1}: {j['start']}-{j['end']}, load {j['loadavg_1min']}",
-              {f"{r['model']}/k={r['k']}": {v: round(f["ratio_to_none"], 3) for v, f in r.items()
-                                            if isinstance(f, dict) and "ratio_to_none" in f}
-               for r in j["rows"]}, flush=True)
-    timing.record_samples_cost(args.out, "horovod",
-                               f".venv/bin/python benchmarks/torch_overhead.py {shlex.join(argv)}",
-                               "plain", jobs)
-    return 0
+    return timing.drive_samples_cost(
+        cmd, {}, args.repeats, args.out, "horovod",
+        f".venv/bin/python benchmarks/torch_overhead.py {shlex.join(argv)}", "plain")
 
 
 def main(argv=None):
@@ -241,7 +222,8 @@ def main(argv=None):
     if args.repeats:
         return drive(args, argv)
     passes = [int(v) for v in args.passes.split(",")]
-    steps, warmup, rounds = (per_k(getattr(args, w), passes, w) for w in ("steps", "warmup", "rounds"))
+    steps, warmup, rounds = (timing.per_k(getattr(args, w), passes, w)
+                             for w in ("steps", "warmup", "rounds"))
     hvd.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for name in args.models.split(","):
