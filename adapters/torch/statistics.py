@@ -60,14 +60,18 @@ class Statistics:
         """Count this parameter's gradients (the passes of a step, each one's start stamped on
         the step clock): unmeasured, or with the norms read once per worker."""
         def hook(grad: torch.Tensor) -> None:
-            if self._hooks_paused:
-                return
-            step = self._step
-            step.fired[index] += 1
-            if step.fired[index] > step.passes_started:  # the first gradient of a new pass
-                step.passes_started += 1
-                self.scaling.clock.pass_started()
+            if not self._hooks_paused:
+                self._count_gradient(index)
         return hook
+
+    def _count_gradient(self, index: int) -> None:
+        """One more gradient of hooked parameter ``index`` this step; the first of a new pass
+        is stamped on the step clock."""
+        step = self._step
+        step.fired[index] += 1
+        if step.fired[index] > step.passes_started:
+            step.passes_started += 1
+            self.scaling.clock.pass_started()
 
     def _start_count(self, passes: int):
         """[c] over workers, reduced as the gradients are (``start_statistics``'s wire)."""
@@ -86,11 +90,8 @@ class Statistics:
             # On the CPU a float: no tensor op per pass and parameter beyond the norm itself.
             step.norms[group_index].append(cpu_norm(g) if g.device.type == "cpu" and not g.is_sparse
                                            else self._norm(g))
-            step.fired[index] += 1
+            self._count_gradient(index)
             step.fired_total += 1
-            if step.fired[index] > step.passes_started:  # the first gradient of a new pass
-                step.passes_started += 1
-                self.scaling.clock.pass_started()
             if step.fired_total == self._all_gradients and step.stats_handle is None \
                     and self._sends_at_last_gradient:
                 # The step's last gradient: this hook runs before Horovod's hook enqueues its
