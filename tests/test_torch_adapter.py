@@ -174,6 +174,7 @@ def test_adascale_adam_uses_sqrt_gain(results):
     assert rows[-1]["sigma2"] > 100 * r0["plain_sigma2"]
     assert r0["lr"] == 1e-3
     assert r0["precondition_exact"] and r0["grad_untouched"]
+    assert r0["tensors"] >= 2 and r0["batched_error"] < 1e-5, r0["batched_error"]
 
 
 @pytest.mark.timeout(300)

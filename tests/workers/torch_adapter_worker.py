@@ -348,7 +348,25 @@ def case_adam():
     v_hat = torch.maximum(v_hat, (1 - group["betas"][1]) / bias_correction2 * v_hat.mean())
     expected = g / (v_hat.sqrt() + group["eps"])
     exact = torch.equal(opt._precondition(p, g, group), expected)
+    # The statistics' batched path (foreach ops over a bucket, in chunks) gives each tensor's
+    # |P g| as the one-tensor path does, to float32 rounding (the floor's mean summed in
+    # another order); with chunks of one element, every tensor in a chunk of its own.
+    params = [q for q in model.parameters()]
+    grads = [torch.randn_like(q) for q in params]
+    single = torch.stack([torch.linalg.vector_norm(opt._precondition(q, h, group)).double()
+                          for q, h in zip(params, grads)])
+    batched = opt._grad_norms(params, grads)
+    from hvd_scale.adapters.torch import statistics as statistics_module
+    chunk = statistics_module.PRECONDITION_CHUNK
+    statistics_module.PRECONDITION_CHUNK = 1
+    try:
+        one_by_one = opt._grad_norms(params, grads)
+    finally:
+        statistics_module.PRECONDITION_CHUNK = chunk
+    batched_error = max(float((batched / single - 1).abs().max()),
+                        float((one_by_one / single - 1).abs().max()))
     emit("adam", rows=rows, lr=opt.param_groups[0]["lr"], precondition_exact=exact,
+         batched_error=batched_error, tensors=len(params),
          plain_sigma2=sgd.sigma2, history=opt.policy.MIN_ADAM_HISTORY,
          grad_untouched=torch.equal(g, g_before))
 
