@@ -9,6 +9,7 @@ whose record of the step in progress is ``_StepState``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -22,6 +23,12 @@ STATS_NAME = "hvd_scale.stats"
 # adascale_adam's preconditioned gradients are made this many elements at a time (a bucket's
 # small tensors together, a large one alone): two temporaries of this size, not of the model.
 PRECONDITION_CHUNK = 1 << 22
+
+
+@functools.lru_cache(maxsize=256)
+def _lengths(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The segment lengths of tensors of these sizes laid end to end (buckets recur each step)."""
+    return torch.tensor(sizes, dtype=torch.int64, device=device)
 
 
 def _chunks(tensors: list[torch.Tensor], elements: int) -> list[tuple[int, int]]:
@@ -121,46 +128,50 @@ class Statistics:
     def _grad_norms(self, params: list[torch.Tensor], grads: list | None = None) -> torch.Tensor:
         """|p.grad| (or |grads[i]|) of each parameter, a float64 vector (``norms``): one fused
         kernel when the gradients allow it (dense, one dtype); adascale_adam's preconditioned
-        gradients a chunk at a time (``_preconditioned``; a sparse one alone)."""
+        gradients a chunk at a time (``_preconditioned_norms``)."""
         grads = [p.grad for p in params] if grads is None else grads
         if self.scaling.policy.statistics == "preconditioned":
-            if any(g.is_sparse for g in grads):
-                return torch.cat([self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
-                                  for p, g in zip(params, grads)])
-            return torch.cat([norms(self._preconditioned(params[i:j], grads[i:j]))
+            return torch.cat([self._preconditioned_norms(params[i:j], grads[i:j])
                               for i, j in _chunks(grads, PRECONDITION_CHUNK)])
         return norms(grads)
 
-    def _preconditioned(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list:
-        """``_precondition`` of dense gradients, in torch's foreach ops: each step of
-        ``core.precondition``'s formula one call for all the tensors (six tensor ops per
-        tensor, one at a time, cost adascale_adam 1.24x a Transformer step at k = 1)."""
-        out, at, vs, corrections, floors, eps = list(grads), [], [], [], [], []
-        for i, p in enumerate(params):
-            group = self.param_groups[self._group_of[p]]
-            state = self.state.get(p)
-            if not state or "exp_avg_sq" not in state:
-                continue  # first step: no second moment yet, the plain gradient
-            beta2 = group["betas"][1]
-            c2 = self.scaling.policy.second_moment_correction(self.scaling.run.policy, beta2,
-                                                              float(state["step"]))
-            if c2 == 0.0:
-                continue  # v holds no gradient yet
-            at.append(i)
-            vs.append(state["exp_avg_sq"])
-            corrections.append(c2)
-            # (1 - beta2) / c2 x mean(v_hat): the mean as v_hat's 1-norm (v >= 0) / numel
-            floors.append((1.0 - beta2) / c2 / max(1, p.numel()))
-            eps.append(group["eps"])
-        if not at:
-            return out
-        v_hat = torch._foreach_div(vs, corrections)
-        torch._foreach_maximum_(v_hat, torch._foreach_mul(torch._foreach_norm(v_hat, 1), floors))
-        torch._foreach_sqrt_(v_hat)
-        torch._foreach_add_(v_hat, eps)
-        for i, x in zip(at, torch._foreach_div([grads[i] for i in at], v_hat)):
-            out[i] = x
-        return out
+    def _preconditioned_norms(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+        """|P g| of each gradient (``_precondition``), a float64 vector. Dense gradients and
+        second moments of one dtype and device (the usual case) are concatenated and
+        preconditioned as one flat tensor, about ten tensor ops for the chunk (six per tensor,
+        one tensor at a time, cost adascale_adam 1.24-1.36x the Transformer's k = 1 step).
+        The formula is ``core.precondition``'s; its per-tensor mean(v_hat) and the norms are
+        segment sums (the squares in float64: no overflow or underflow)."""
+        groups = [self.param_groups[self._group_of[p]] for p in params]
+        states = [self.state.get(p) for p in params]
+        c2 = [self.scaling.policy.second_moment_correction(
+            self.scaling.run.policy, g["betas"][1], float(st["step"]))
+            if st and "exp_avg_sq" in st else 0.0 for g, st in zip(groups, states)]
+        # No second moment yet (the first step), or one holding no gradient: the plain gradient.
+        ready = [i for i, c in enumerate(c2) if c != 0.0]
+        moments = [states[i]["exp_avg_sq"] for i in ready]
+        kinds = {(t.dtype, t.device, t.is_sparse) for t in [*moments, *(grads[i] for i in ready)]}
+        if len(kinds) != 1 or next(iter(kinds))[2] or len(ready) < len(params):
+            return torch.cat([self._norm(self._precondition(p, g, group))
+                              for p, g, group in zip(params, grads, groups)])
+        device, dtype = moments[0].device, moments[0].dtype
+        sizes = tuple(g.numel() for g in grads)
+        lengths = _lengths(sizes, device)
+
+        def per_tensor(values):  # one value per tensor, per element (a scalar where all agree)
+            if len(set(values)) == 1:
+                return values[0]
+            return torch.repeat_interleave(torch.tensor(values, dtype=dtype, device=device), lengths)
+
+        v_hat = torch.cat([v.reshape(-1) for v in moments]).div_(per_tensor(c2))
+        # the floor, (1 - beta2) / c2 x mean(v_hat), per tensor
+        floor = torch.segment_reduce(v_hat, "sum", lengths=lengths) * torch.tensor(
+            [(1.0 - g["betas"][1]) / c / max(1, n) for g, c, n in zip(groups, c2, sizes)],
+            dtype=dtype, device=device)
+        torch.maximum(v_hat, torch.repeat_interleave(floor, lengths), out=v_hat)
+        denominator = v_hat.sqrt_().add_(per_tensor([g["eps"] for g in groups]))
+        preconditioned = torch.cat([g.reshape(-1) for g in grads]).div_(denominator)
+        return torch.segment_reduce(preconditioned.double().square_(), "sum", lengths=lengths).sqrt_()
 
     def _take_norms(self, params: list[torch.Tensor], grads: list | None = None) -> None:
         """Keep the bucket's norms for this step's sums: as one vector when there is one group."""
