@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -23,6 +24,22 @@ STATS_NAME = "hvd_scale.stats"
 # adascale_adam's preconditioned gradients are made this many elements at a time (a bucket's
 # small tensors together, a large one alone): two temporaries of this size, not of the model.
 PRECONDITION_CHUNK = 1 << 22
+
+
+_SCRATCH = threading.local()  # per thread: DDP reads the averaged buckets in Gloo's thread
+
+
+def _scratch(elements: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two buffers of ``elements`` for ``_preconditioned_norms``, kept per thread, dtype and
+    device and grown as needed: fresh large CPU tensors each step cost page faults (a chunk's
+    temporaries took longer than the arithmetic)."""
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = {}
+    have = buffers.get((dtype, device))
+    if have is None or have.shape[1] < elements:
+        have = buffers[(dtype, device)] = torch.empty((2, elements), dtype=dtype, device=device)
+    return have[0, :elements], have[1, :elements]
 
 
 @functools.lru_cache(maxsize=256)
@@ -137,41 +154,53 @@ class Statistics:
 
     def _preconditioned_norms(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
         """|P g| of each gradient (``_precondition``), a float64 vector. Dense gradients and
-        second moments of one dtype and device (the usual case) are concatenated and
-        preconditioned as one flat tensor, about ten tensor ops for the chunk (six per tensor,
-        one tensor at a time, cost adascale_adam 1.24-1.36x the Transformer's k = 1 step).
-        The formula is ``core.precondition``'s; its per-tensor mean(v_hat) and the norms are
-        segment sums (the squares in float64: no overflow or underflow)."""
+        second moments of one dtype and device (the usual case) are laid end to end in two
+        scratch buffers and preconditioned there, about ten tensor ops for the chunk and no
+        large temporary (six ops per tensor, one tensor at a time, cost adascale_adam
+        1.24-1.36x the Transformer's k = 1 step). The formula is ``core.precondition``'s; its
+        per-tensor mean(v_hat) is a segment sum."""
         groups = [self.param_groups[self._group_of[p]] for p in params]
         states = [self.state.get(p) for p in params]
-        c2 = [self.scaling.policy.second_moment_correction(
-            self.scaling.run.policy, g["betas"][1], float(st["step"]))
-            if st and "exp_avg_sq" in st else 0.0 for g, st in zip(groups, states)]
-        # No second moment yet (the first step), or one holding no gradient: the plain gradient.
-        ready = [i for i, c in enumerate(c2) if c != 0.0]
-        moments = [states[i]["exp_avg_sq"] for i in ready]
-        kinds = {(t.dtype, t.device, t.is_sparse) for t in [*moments, *(grads[i] for i in ready)]}
-        if len(kinds) != 1 or next(iter(kinds))[2] or len(ready) < len(params):
+        corrections: dict = {}  # (beta2, Adam's step) -> c2: one per group, as a rule
+
+        def c2_of(group, state):
+            if not state or "exp_avg_sq" not in state:
+                return 0.0
+            key = (group["betas"][1], float(state["step"]))
+            if key not in corrections:
+                corrections[key] = self.scaling.policy.second_moment_correction(
+                    self.scaling.run.policy, *key)
+            return corrections[key]
+
+        c2 = [c2_of(g, st) for g, st in zip(groups, states)]
+        moments = [st["exp_avg_sq"] for st, c in zip(states, c2) if c != 0.0]
+        kinds = {(t.dtype, t.device, t.is_sparse) for t in [*moments, *grads]}
+        # No second moment yet (the first step), one holding no gradient, or mixed kinds.
+        if len(moments) < len(params) or len(kinds) != 1 or next(iter(kinds))[2]:
             return torch.cat([self._norm(self._precondition(p, g, group))
                               for p, g, group in zip(params, grads, groups)])
         device, dtype = moments[0].device, moments[0].dtype
         sizes = tuple(g.numel() for g in grads)
-        lengths = _lengths(sizes, device)
-
-        def per_tensor(values):  # one value per tensor, per element (a scalar where all agree)
-            if len(set(values)) == 1:
-                return values[0]
-            return torch.repeat_interleave(torch.tensor(values, dtype=dtype, device=device), lengths)
-
-        v_hat = torch.cat([v.reshape(-1) for v in moments]).div_(per_tensor(c2))
+        v_hat, scratch = _scratch(sum(sizes), dtype, device)
+        torch.cat([v.reshape(-1) for v in moments], out=v_hat)
+        views = list(v_hat.split(sizes))
+        if len(set(c2)) == 1:
+            v_hat.div_(c2[0])
+        else:
+            torch._foreach_div_(views, c2)
         # the floor, (1 - beta2) / c2 x mean(v_hat), per tensor
-        floor = torch.segment_reduce(v_hat, "sum", lengths=lengths) * torch.tensor(
-            [(1.0 - g["betas"][1]) / c / max(1, n) for g, c, n in zip(groups, c2, sizes)],
-            dtype=dtype, device=device)
-        torch.maximum(v_hat, torch.repeat_interleave(floor, lengths), out=v_hat)
-        denominator = v_hat.sqrt_().add_(per_tensor([g["eps"] for g in groups]))
-        preconditioned = torch.cat([g.reshape(-1) for g in grads]).div_(denominator)
-        return torch.segment_reduce(preconditioned.double().square_(), "sum", lengths=lengths).sqrt_()
+        factors = torch.tensor([(1.0 - g["betas"][1]) / c / max(1, n)
+                                for g, c, n in zip(groups, c2, sizes)], dtype=dtype, device=device)
+        floor = torch.segment_reduce(v_hat, "sum", lengths=_lengths(sizes, device)).mul_(factors)
+        torch._foreach_maximum_(views, list(floor.unbind()))
+        eps = [g["eps"] for g in groups]
+        v_hat.sqrt_()
+        if len(set(eps)) == 1:
+            v_hat.add_(eps[0])
+        else:
+            torch._foreach_add_(views, eps)
+        torch.cat([g.reshape(-1) for g in grads], out=scratch).div_(v_hat)
+        return norms(list(scratch.split(sizes)))
 
     def _take_norms(self, params: list[torch.Tensor], grads: list | None = None) -> None:
         """Keep the bucket's norms for this step's sums: as one vector when there is one group."""
