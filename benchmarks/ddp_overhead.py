@@ -3,19 +3,14 @@
     .venv/bin/python benchmarks/ddp_overhead.py --repeats 3          # 3 torchrun jobs
     .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/ddp_overhead.py   # one job
 
-#50 (the statistics' cost against k, per-worker and per-pass samples; 3 torchrun jobs per command,
-written beside each other into results/samples_cost, the driver recording after each job; the
-Transformer's k = 64 apart, with fewer steps, to fit a shared 2-core machine):
+#50 (the statistics' cost against k, per-worker and per-pass samples; 3 torchrun jobs, written
+beside the other engines into results/samples_cost, the driver recording after each job; ~6
+minutes on a quiet 2-core machine):
 
-    .venv/bin/python benchmarks/ddp_overhead.py --repeats 3 --out samples_cost --models mlp \
-        --passes 1,4,16,64 --steps 20,8,2,2 --rounds 10,4,2,2 --warmup 1,1,1,1 \
-        --variants ddp,none,adascale,adascale/passes
     .venv/bin/python benchmarks/ddp_overhead.py --repeats 3 --out samples_cost \
-        --models transformer_adam --passes 1,4,16 --steps 20,8,2 --rounds 10,4,2 --warmup 1,1,1 \
-        --variants ddp,none,adascale_adam,adascale_adam/passes
-    .venv/bin/python benchmarks/ddp_overhead.py --repeats 3 --out samples_cost \
-        --models transformer_adam --passes 64 --steps 2 --rounds 2 --warmup 1 \
-        --variants ddp,none,adascale_adam,adascale_adam/passes
+        --models mlp,transformer_adam --passes 1,4,16,64 --steps 60,24,6,3 --rounds 10,6,6,3 \
+        --warmup 2,1,1,1 \
+        --variants ddp,none,adascale,adascale/passes,adascale_adam,adascale_adam/passes
 
 Run without torchrun, the script is the driver: it starts ``--repeats`` jobs of itself under
 ``torchrun --standalone --nproc-per-node 2`` (one thread per process, fairscale on the

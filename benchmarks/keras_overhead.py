@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/keras_overhead.py      # 3 horovodrun -np 2 jobs per setting, ~16 minutes
 
 #50 (the statistics' cost against k, per-worker and per-pass samples; into results/samples_cost,
-the driver recording after each job; ~25 minutes a job on a loaded 2-core machine):
+the driver recording after each job; ~7 minutes a job on a quiet 2-core machine):
 
     .venv/bin/python benchmarks/keras_overhead.py --out samples_cost --settings "launcher's" \
         --models mlp,cnn --passes 1,4,16 --steps 20,8,3 --rounds 10,4,3 --warmup 1,0,0 \

@@ -3,15 +3,15 @@
     .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/torch_overhead.py
 
 #50 (the statistics' cost against k; 3 horovodrun jobs per command, both written beside each other
-into results/samples_cost.md/.json; the CNNs without k = 64 to fit a shared 2-core machine):
+into results/samples_cost.md/.json; ~8 and ~12 minutes on a quiet 2-core machine):
 
     .venv/bin/python benchmarks/torch_overhead.py --repeats 3 --out samples_cost \
-        --models mlp,transformer_adam --passes 1,4,16,64 --steps 20,8,2,2 --rounds 10,4,2,2 \
-        --warmup 1,1,1,1 \
+        --models mlp,transformer_adam --passes 1,4,16,64 --steps 60,24,6,3 --rounds 10,6,6,3 \
+        --warmup 2,1,1,1 \
         --variants plain,none,adascale,adascale/passes,adascale_adam,adascale_adam/passes
     .venv/bin/python benchmarks/torch_overhead.py --repeats 3 --out samples_cost \
-        --models cnn,cnn2d --passes 1,4,16 --steps 10,4,2 --rounds 10,4,2 --warmup 1,1,1 \
-        --variants plain,none,adascale,adascale/passes
+        --models cnn,cnn2d --passes 1,4,16,64 --steps 20,8,4,2 --rounds 10,4,4,2 \
+        --warmup 2,1,1,1 --variants plain,none,adascale,adascale/passes
 
 With --repeats the script is the driver: it starts that many jobs of itself under
 ``horovodrun -np 2 -H localhost:2 --gloo`` (one thread per process, Horovod's default cycle).
