@@ -18,7 +18,9 @@ How the statistics ride DDP's communication (one communication hook, ``register_
   accumulation and samples="workers" (the default from two workers on) the sum of the worker's
   passes that DDP allreduces after the passes under ``no_sync()``; per-pass statistics with
   accumulation (samples="passes") are measured by a tensor hook per parameter, as Horovod's
-  are (``statistics.py``);
+  are (``statistics.py``); with one parameter group, one norm of the bucket's flat buffer;
+  adascale_adam's of that buffer divided by Adam's preconditioner (sqrt(v_hat) + eps, made
+  once a step per bucket and kept for the mean's norm: a buffer the size of the parameters);
 * the bucket's allreduce is DDP's own (or the user's hook: ``comm_hook=``); when it completes,
   |g_bar|^2 of the averaged bucket is taken in its future's callback, before anything (a
   GradScaler's ``unscale_``) touches the gradients;
@@ -106,6 +108,12 @@ class TorchDistributedBinding:
         return box[0]
 
 
+def _flat(bucket: torch.Tensor, denominator: torch.Tensor) -> bool:
+    """Whether a bucket's flat buffer lines up with its parameters' denominator."""
+    return (bucket.dim() == 1 and bucket.numel() == denominator.numel()
+            and bucket.dtype == denominator.dtype and bucket.device == denominator.device)
+
+
 def _ddp_model(model) -> DistributedDataParallel:
     """The DDP module behind ``model`` (a ``torch.compile``d one too); FSDP is refused."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
@@ -174,16 +182,16 @@ class DistributedOptimizer(TorchOptimizer):
         self._grad_scaler = grad_scaler
         self._share_groups(optimizer)
         self._stats_dtype = torch.float64  # an allreduce of its own: exact counts, no overflow
+        self._denominators: dict[int, torch.Tensor] = {}  # adascale_adam's, per bucket index
         # The norms are taken in DDP's buckets at the synchronizing pass: each pass's gradient at
         # k = 1, each worker's sum of its passes with samples="workers" (a count hook on a few
         # parameters counts them). Per-pass statistics with accumulation (or adapt: k may
         # change) see each pass's gradient only in a tensor hook, before it is added.
         self._bucketed = self._measure and (backward_passes_per_step == 1 and adapt is None
                                             or self.scaling.samples == "workers")
-        # One group of plain statistics: a bucket's squared norm is that of its flat buffer (one
-        # read), before its allreduce and after it.
-        self._whole_buckets = len(self.param_groups) == 1 and \
-            self.scaling.policy.statistics == "plain"
+        # One group: a bucket's squared norm is that of its flat buffer (one read), before its
+        # allreduce and after it (``_bucket_norms``).
+        self._one_group = len(self.param_groups) == 1
         accumulates = backward_passes_per_step > 1 or adapt is not None
         kind = "norms" if self._measure and not self._bucketed else \
             "count" if accumulates else None
@@ -234,15 +242,14 @@ class DistributedOptimizer(TorchOptimizer):
                 self._unconsumed()
             step.mean_norms = []
         grads, params = bucket.gradients(), bucket.parameters()
+        denominator = self._bucket_denominator(bucket.index(), params, grads)
         if self._bucketed:
             step.fired_total += len(grads)
-            if self._whole_buckets:
-                step.norms[0].append(norms([bucket.buffer()]))  # one read of the whole bucket
-            else:
-                self._take_norms(params, grads)
+            self._keep_norms(params, self._bucket_norms(bucket.buffer(), params, lambda: grads,
+                                                        denominator))
         future = self._user_hook(self._user_state, bucket)
         if self._measure:
-            future = future.then(self._mean_norms_of(bucket.index(), params, grads))
+            future = future.then(self._mean_norms_of(bucket.index(), params, grads, denominator))
         if bucket.is_last():
             if self._measure:
                 step.stats_handle = self.start_statistics()
@@ -250,27 +257,60 @@ class DistributedOptimizer(TorchOptimizer):
                 step.stats_handle = self._start_count(max(step.fired, default=0))
         return future
 
-    def _mean_norms_of(self, index, params, grads):
-        """The future's callback: |g_bar|^2 of the bucket's averaged gradients, per group (the
-        result laid out as the bucket's gradients), kept for ``mean_sqnorms`` with the bucket's
-        ``index``."""
+    def _bucket_denominator(self, index: int, params, grads) -> torch.Tensor | None:
+        """adascale_adam's preconditioner denominator for this bucket's parameters
+        (``_denominator``), made once a step for both of the bucket's norms (the worker's
+        gradient, then the mean's in the callback), in a buffer kept per bucket: Adam's v does
+        not change before ``step()``. None for other policies, or where the one-tensor path
+        serves (the first step)."""
+        if not self._measure or self.scaling.policy.statistics != "preconditioned":
+            return None
+
+        def buffer(elements, dtype, device):
+            have = self._denominators.get(index)
+            if have is None or (have.numel(), have.dtype, have.device) != (elements, dtype, device):
+                have = self._denominators[index] = torch.empty(elements, dtype=dtype, device=device)
+            return have
+        return self._denominator(params, grads, buffer)
+
+    def _bucket_norms(self, flat: torch.Tensor, params, grads: Callable, denominator) -> torch.Tensor:
+        """The norms a bucket's statistics need, of its flat buffer ``flat`` (the worker's, or
+        the averaged one), a float64 vector: with one parameter group the bucket's one norm
+        (plain, or adascale_adam's gradient divided by the bucket's ``denominator``: one read
+        of the bucket), else one per gradient (``grads()``: ``flat``'s views)."""
+        if denominator is not None and _flat(flat, denominator):
+            quotient = self._quotient(flat, denominator)
+            return norms([quotient] if self._one_group else
+                         list(quotient.split([g.numel() for g in grads()])))
+        if self._one_group and self.scaling.policy.statistics == "plain":
+            return norms([flat])
+        return self._grad_norms(params, grads())
+
+    def _mean_norms_of(self, index, params, grads, denominator=None):
+        """The future's callback: |g_bar|^2 of the bucket's averaged gradients (the result laid
+        out as the bucket's gradients) per group (``_bucket_norms``), kept for ``mean_sqnorms``
+        with the bucket's ``index``."""
         step = self._step
         shapes = [(g.numel(), g.shape) for g in grads]
+        groups = torch.tensor([self._group_of.get(p, 0) for p in params], device=self._device)
 
         def reduced(future):
             out = future.value()
             if isinstance(out, (list, tuple)):
                 out = out[0]
-            if self._whole_buckets:
-                step.mean_norms.append((index, 0, norms([out]).square().sum()))
-            else:
-                views, at = [], 0
+
+            def views():
+                found, at = [], 0
                 for numel, shape in shapes:
-                    views.append(out.narrow(0, at, numel).view(shape))
+                    found.append(out.narrow(0, at, numel).view(shape))
                     at += numel
-                squares = self._grad_norms(params, views).square()
-                for i, p in enumerate(params):
-                    step.mean_norms.append((index, self._group_of.get(p, 0), squares[i]))
+                return found
+            squares = self._bucket_norms(out, params, views, denominator).square()
+            if self._one_group:
+                step.mean_norms.append((index, squares.sum().view(1)))
+            else:
+                sums = torch.zeros(len(self.param_groups), dtype=torch.float64, device=squares.device)
+                step.mean_norms.append((index, sums.index_add_(0, groups, squares)))
             return out
         return reduced
 
@@ -306,14 +346,13 @@ class DistributedOptimizer(TorchOptimizer):
         """|g_bar|^2 per group from the buckets' averaged gradients (taken as each allreduce
         completed): DDP's average is of each worker's sum of passes, the mean micro-gradient
         is that times workers / n."""
-        sums = [torch.zeros((), dtype=torch.float64, device=self._device)
-                for _ in self.param_groups]
+        sums = torch.zeros(len(self.param_groups), dtype=torch.float64, device=self._device)
         # In bucket order, not the order the allreduces completed (it differs between ranks: the
         # float sums did, in the last bits, and so did the ranks' lr factors and weights, #49).
-        for _, group, square in sorted(self._step.mean_norms, key=lambda entry: entry[0]):
-            sums[group] = sums[group] + square
+        for _, squares in sorted(self._step.mean_norms, key=lambda entry: entry[0]):
+            sums = sums + squares
         factor = 1.0 if count is None else self.scaling.hvd.size() / count.clamp(min=1)
-        return torch.stack(sums) * factor ** 2
+        return sums * factor ** 2
 
     def _inner_step(self, closure):
         return self._inner.step(closure)

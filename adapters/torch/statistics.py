@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from hvd_scale.adapters.core import precondition
 from hvd_scale.reduce import wire_copies, wire_sums
 
-from .norms import _vector, all_finite, cpu_norm, norms
+from .norms import _IS_SPARSE, _vector, all_finite, cpu_norm, norms
+
+_KIND = operator.attrgetter("dtype", "device")
 
 STATS_NAME = "hvd_scale.stats"
 # adascale_adam's preconditioned gradients are made this many elements at a time (a bucket's
@@ -40,6 +44,12 @@ def _scratch(elements: int, dtype: torch.dtype, device: torch.device) -> tuple[t
     if have is None or have.shape[1] < elements:
         have = buffers[(dtype, device)] = torch.empty((2, elements), dtype=dtype, device=device)
     return have[0, :elements], have[1, :elements]
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(sizes: tuple[int, ...]) -> np.ndarray:
+    """Where each of tensors of these sizes starts when laid end to end."""
+    return np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)]).astype(np.int64)
 
 
 @functools.lru_cache(maxsize=256)
@@ -155,62 +165,87 @@ class Statistics:
     def _preconditioned_norms(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
         """|P g| of each gradient (``_precondition``), a float64 vector. Dense gradients and
         second moments of one dtype and device (the usual case) are laid end to end in two
-        scratch buffers and preconditioned there, about ten tensor ops for the chunk and no
-        large temporary (six ops per tensor, one tensor at a time, cost adascale_adam
-        1.24-1.36x the Transformer's k = 1 step). The formula is ``core.precondition``'s; its
-        per-tensor mean(v_hat) is a segment sum."""
+        scratch buffers and preconditioned there (``_denominator``), about ten tensor ops for
+        the chunk and no large temporary (six ops per tensor, one tensor at a time, cost
+        adascale_adam 1.24-1.36x the Transformer's k = 1 step); others one tensor at a time."""
+        denominator = self._denominator(params, grads, lambda *kind: _scratch(*kind)[0])
+        if denominator is None:
+            return torch.cat([self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
+                              for p, g in zip(params, grads)])
+        scratch = _scratch(denominator.numel(), denominator.dtype, denominator.device)[1]
+        torch.cat([g.reshape(-1) for g in grads], out=scratch).div_(denominator)
+        return norms(list(scratch.split(tuple(g.numel() for g in grads))))
+
+    def _denominator(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                     buffer) -> torch.Tensor | None:
+        """sqrt(max(v_hat, floor)) + eps of ``params`` laid end to end, written into
+        ``buffer(elements, dtype, device)``: ``core.precondition``'s denominator, its per-tensor
+        floor (1 - beta2) / c2 x mean(v_hat) a segment sum. None where the flat path does not
+        apply: no second moment yet (the first step), one holding no gradient, sparse or mixed
+        dtypes and devices (``_precondition``, a tensor at a time, serves those)."""
         groups = [self.param_groups[self._group_of[p]] for p in params]
         states = [self.state.get(p) for p in params]
+        if not all(st and "exp_avg_sq" in st for st in states):
+            return None
+        moments = [st["exp_avg_sq"] for st in states]
+        tensors = [*moments, *grads]
+        if len(set(map(_KIND, tensors))) != 1 or any(map(_IS_SPARSE, tensors)):
+            return None
         corrections: dict = {}  # (beta2, Adam's step) -> c2: one per group, as a rule
-
-        def c2_of(group, state):
-            if not state or "exp_avg_sq" not in state:
-                return 0.0
-            key = (group["betas"][1], float(state["step"]))
+        for group, st in zip(groups, states):
+            key = (group["betas"][1], float(st["step"]))
             if key not in corrections:
                 corrections[key] = self.scaling.policy.second_moment_correction(
                     self.scaling.run.policy, *key)
-            return corrections[key]
-
-        c2 = [c2_of(g, st) for g, st in zip(groups, states)]
-        moments = [st["exp_avg_sq"] for st, c in zip(states, c2) if c != 0.0]
-        kinds = {(t.dtype, t.device, t.is_sparse) for t in [*moments, *grads]}
-        # No second moment yet (the first step), one holding no gradient, or mixed kinds.
-        if len(moments) < len(params) or len(kinds) != 1 or next(iter(kinds))[2]:
-            return torch.cat([self._norm(self._precondition(p, g, group))
-                              for p, g, group in zip(params, grads, groups)])
+        c2 = [corrections[(g["betas"][1], float(st["step"]))] for g, st in zip(groups, states)]
+        if 0.0 in c2:  # v holds no gradient yet
+            return None
         device, dtype = moments[0].device, moments[0].dtype
-        sizes = tuple(g.numel() for g in grads)
-        v_hat, scratch = _scratch(sum(sizes), dtype, device)
-        torch.cat([v.reshape(-1) for v in moments], out=v_hat)
+        sizes = tuple(map(torch.Tensor.numel, moments))
+        v_hat = buffer(sum(sizes), dtype, device)
+        torch.cat([v.view(-1) for v in moments], out=v_hat)
         views = list(v_hat.split(sizes))
-        if len(set(c2)) == 1:
+        if len(corrections) == 1:
             v_hat.div_(c2[0])
         else:
             torch._foreach_div_(views, c2)
-        # the floor, (1 - beta2) / c2 x mean(v_hat), per tensor
-        factors = torch.tensor([(1.0 - g["betas"][1]) / c / max(1, n)
-                                for g, c, n in zip(groups, c2, sizes)], dtype=dtype, device=device)
-        floor = torch.segment_reduce(v_hat, "sum", lengths=_lengths(sizes, device)).mul_(factors)
-        torch._foreach_maximum_(views, list(floor.unbind()))
+        factors = [(1.0 - g["betas"][1]) / c / max(1, n) for g, c, n in zip(groups, c2, sizes)]
+        if device.type == "cpu" and dtype in (torch.float32, torch.float64):
+            # numpy's segment sum is ~2x torch's here, and the floors become host floats
+            sums = np.add.reduceat(v_hat.numpy(), _offsets(sizes), dtype=np.float64)
+            torch._foreach_maximum_(views, (sums * factors).tolist())
+        else:
+            floor = torch.segment_reduce(v_hat, "sum", lengths=_lengths(sizes, device)).mul_(
+                torch.tensor(factors, dtype=dtype, device=device))
+            torch._foreach_maximum_(views, list(floor.unbind()))
         eps = [g["eps"] for g in groups]
         v_hat.sqrt_()
         if len(set(eps)) == 1:
             v_hat.add_(eps[0])
         else:
             torch._foreach_add_(views, eps)
-        torch.cat([g.reshape(-1) for g in grads], out=scratch).div_(v_hat)
-        return norms(list(scratch.split(sizes)))
+        return v_hat
 
-    def _take_norms(self, params: list[torch.Tensor], grads: list | None = None) -> None:
-        """Keep the bucket's norms for this step's sums: as one vector when there is one group."""
-        vector = self._grad_norms(params, grads)
+    def _quotient(self, flat: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        """P g of the gradients laid end to end in ``flat`` (a DDP bucket), P = 1 /
+        ``denominator`` (``_denominator``'s, the same for the worker's gradient and the mean's),
+        in this thread's scratch: one division."""
+        _, scratch = _scratch(flat.numel(), flat.dtype, flat.device)
+        return torch.div(flat, denominator, out=scratch)
+
+    def _keep_norms(self, params: list[torch.Tensor], vector: torch.Tensor) -> None:
+        """Keep a bucket's norms (``vector``, one per parameter) for this step's sums: as one
+        vector when there is one group."""
         norms = self._step.norms
         if len(norms) == 1:
             norms[0].append(vector)
         else:
             for i, p in enumerate(params):
                 norms[self._group_of[p]].append(vector[i:i + 1])
+
+    def _take_norms(self, params: list[torch.Tensor], grads: list | None = None) -> None:
+        """Keep the bucket's norms for this step's sums (``_keep_norms``)."""
+        self._keep_norms(params, self._grad_norms(params, grads))
 
     def start_statistics(self):
         """[s..., c, w] over workers, asynchronously (the engine's ``_allreduce_async``). In the
