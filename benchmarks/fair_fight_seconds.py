@@ -13,8 +13,10 @@ The load average is recorded before and after each run.
 
     .venv/bin/python benchmarks/fair_fight_seconds.py                 # B1 at S = 16 and 64, 3 seeds
 
-Writes results/fair_fight_seconds.md and .json. B4's runs take 6-10 minutes each here (36 for one
-seed of its three S and four policies): not run by default (--bench b4).
+Writes results/fair_fight_seconds.md and .json (another bench: fair_fight_seconds_<bench>). B4's
+runs take 6-10 minutes each here (36 for one seed of its three S and four policies): not run by
+default; `--bench b4 --scales 128 --seeds 1` took ... (#50: the cell where the tuned rules
+catch up on speed).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ import sys
 import fair_fight as ff
 import transformer_bleu as b4
 
-OUT = ff.RESULTS / "fair_fight_seconds"
+OUT = ff.RESULTS / "fair_fight_seconds"  # B1's; another bench's: fair_fight_seconds_<bench>
+
+
+def out_of(name: str):
+    return OUT if name == "b1" else OUT.with_name(f"{OUT.name}_{name}")
 
 
 def target_of(name: str, runs: list[dict]) -> float:
@@ -149,8 +155,12 @@ def render(data: dict) -> str:
                          f"{statistics.mean(r['steps'] for r in rows):.0f} | {to_steps} | {to_secs} | "
                          f"{ratio} | {statistics.mean(r['seconds'] for r in rows):.1f} | {whole_ratio} | "
                          f"{'-' if stored is None else f'{stored:.1f}'} |")
+    scales = ",".join(data["cells"])
+    seeds = len({r["seed"] for r in data["runs"]})
     lines += ["", "- rerun: `.venv/bin/python benchmarks/fair_fight_seconds.py "
-              f"--bench {name}` (about 15 minutes for B1 on 2 quiet cores)"]
+              f"--bench {name} --scales {scales} --seeds {seeds}` ({len(data['runs'])} runs, "
+              f"{sum(r.get('seconds', 0.0) for r in data['runs']) / 60:.0f} minutes of training "
+              "here)"]
     return "\n".join(lines) + "\n"
 
 
@@ -162,15 +172,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
-    path = OUT.with_suffix(".json")
+    out = out_of(args.bench)
+    path = out.with_suffix(".json")
     if not args.report_only:
         scales = [int(s) for s in (args.scales or ff.BENCHES[args.bench]["scales"]).split(",")]
         data = measure(args.bench, scales, args.seeds, args.timeout)
         data["date"] = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
         path.write_text(json.dumps(data, indent=1) + "\n")
     data = json.loads(path.read_text())
-    OUT.with_suffix(".md").write_text(render(data))
-    print(OUT.with_suffix(".md").read_text())
+    out.with_suffix(".md").write_text(render(data))
+    print(out.with_suffix(".md").read_text())
     return 0
 
 
