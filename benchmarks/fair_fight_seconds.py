@@ -15,7 +15,7 @@ The load average is recorded before and after each run.
 
 Writes results/fair_fight_seconds.md and .json (another bench: fair_fight_seconds_<bench>). B4's
 runs take 6-10 minutes each here (36 for one seed of its three S and four policies): not run by
-default; `--bench b4 --scales 128 --seeds 1` took ... (#50: the cell where the tuned rules
+default; `--bench b4 --scales 128 --seeds 1` took 41 minutes (#50: the cell where the tuned rules
 catch up on speed).
 """
 
@@ -151,7 +151,7 @@ def render(data: dict) -> str:
             ratio = f"{statistics.median(pair):.2f}" if pair else "-"
             whole_ratio = f"{statistics.median(whole):.2f}" if whole else "-"
             lines.append(f"| {S} | {ff.LABELS.get(policy, policy)} | {lr:g} | "
-                         f"{statistics.mean(q):.2f} ± {statistics.stdev(q) if len(q) > 1 else 0.0:.2f} | "
+                         f"{statistics.mean(q):.2f}{f' ± {statistics.stdev(q):.2f}' if len(q) > 1 else ''} | "
                          f"{statistics.mean(r['steps'] for r in rows):.0f} | {to_steps} | {to_secs} | "
                          f"{ratio} | {statistics.mean(r['seconds'] for r in rows):.1f} | {whole_ratio} | "
                          f"{'-' if stored is None else f'{stored:.1f}'} |")
