@@ -292,7 +292,8 @@ class DistributedOptimizer(TorchOptimizer):
         with the bucket's ``index``."""
         step = self._step
         shapes = [(g.numel(), g.shape) for g in grads]
-        groups = torch.tensor([self._group_of.get(p, 0) for p in params], device=self._device)
+        groups = None if self._one_group else torch.tensor(
+            [self._group_of.get(p, 0) for p in params], device=self._device)
 
         def reduced(future):
             out = future.value()

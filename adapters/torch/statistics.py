@@ -191,13 +191,11 @@ class Statistics:
         tensors = [*moments, *grads]
         if len(set(map(_KIND, tensors))) != 1 or any(map(_IS_SPARSE, tensors)):
             return None
-        corrections: dict = {}  # (beta2, Adam's step) -> c2: one per group, as a rule
-        for group, st in zip(groups, states):
-            key = (group["betas"][1], float(st["step"]))
-            if key not in corrections:
-                corrections[key] = self.scaling.policy.second_moment_correction(
-                    self.scaling.run.policy, *key)
-        c2 = [corrections[(g["betas"][1], float(st["step"]))] for g, st in zip(groups, states)]
+        keys = [(g["betas"][1], float(st["step"])) for g, st in zip(groups, states)]
+        # (beta2, Adam's step) -> c2: one per group, as a rule
+        corrections = {key: self.scaling.policy.second_moment_correction(self.scaling.run.policy, *key)
+                       for key in set(keys)}
+        c2 = [corrections[key] for key in keys]
         if 0.0 in c2:  # v holds no gradient yet
             return None
         device, dtype = moments[0].device, moments[0].dtype
