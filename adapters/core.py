@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -23,6 +24,7 @@ from hvd_scale.estimate import resolve_samples
 from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
+from hvd_scale.reduce import unpack_step
 from hvd_scale.run import DIVERGED_AFTER, NONFINITE, PLAN, USER_SETTINGS, RunState  # noqa: F401
 
 
@@ -215,6 +217,9 @@ class Scaling:
                       "optimizer": framework.optimizer_name, "framework": framework.name},
             every=request.log_every)
         self._state_agreed = False  # agree_on_state() ran
+        # (the record a short step left, its S): the readouts' S while that record is held.
+        self._short: tuple[RunState, float] | None = None
+        self.zero_gradients_at: int | None = None  # the first step whose gradients were all zero
         if hvd.rank() == 0:  # what runs, said once: the policy is often chosen by a flag
             print(self.start_line(log_dir), file=sys.stderr, flush=True)
 
@@ -227,6 +232,13 @@ class Scaling:
     passes = property(lambda self: self.run.passes, doc="k, backward passes per step")
     measure = property(lambda self: self.run.measure, doc="statistics are taken")
     last_lr = property(lambda self: self.run.last_lr, doc="the lr the latest step applied")
+
+    @property
+    def step_scale(self) -> float:
+        """The latest step's S: the run's, or a short step's own (S x n / (W k)) while the record
+        that step left is the one held (a later step, relayout or restore replaces it)."""
+        short = self._short
+        return short[1] if short is not None and short[0] is self.run else self.run.scale
 
     def start_line(self, log_dir: str | None) -> str:
         policy, run = self.policy, self.run
@@ -262,12 +274,32 @@ class Scaling:
         self.run, plan, info = runs.host_step(self.setup, self.run, inputs,
                                                self.framework.lr_names)
         run = self.run
-        # The row of a short step holds its own S and passes (n / W), not the announced ones.
+        # The row of a short step holds its own S and passes (n / W), not the announced ones, and
+        # so do the readouts while the record it left is held (``step_scale``).
         scale = run.scale if info is None else info.scale
+        self._short = (run, scale) if scale != run.scale else None
         self._timing = self.clock.lap(run.passes * scale / run.scale, workers)
+        if info is not None and statistics is not None and run.measure \
+                and self.zero_gradients_at is None \
+                and not np.any(unpack_step(statistics, self.setup.groups)[0]):
+            self._zero_gradients(run)
         if info is not None and self.logger is not None:
             self.logger.step(run.policy.steps, lambda: self.metrics(run, scale))
         return plan
+
+    def _zero_gradients(self, run: RunState) -> None:
+        """Said once (rank 0's console, run.json's ``zero_gradients_at_step``): a step whose every
+        micro-gradient was zero, where the statistics cannot tell anything and the gain is 1."""
+        self.zero_gradients_at = step = run.policy.steps
+        if self.logger is not None:
+            self.logger.note("zero_gradients_at_step", step)
+        if self.hvd.rank() == 0:
+            warnings.warn(
+                f"hvd_scale: the gradients of step {step} (tau {run.policy.progress:g}) are all "
+                "zero, on every micro-batch: the statistics cannot tell anything, the gain is 1 "
+                "and tau counts such steps as one baseline step each. Is the loss constant? (a "
+                "cross-entropy over a single output, Linear(n, 1), is exactly 0.) Said once",
+                stacklevel=2)
 
     def skip(self) -> None:
         """A step measured but never applied (an AMP overflow skipped it)."""
@@ -348,12 +380,15 @@ class Scaling:
     # -- what is read --------------------------------------------------------------------------------
     def metrics(self, run: RunState | None = None, scale: float | None = None) -> dict[str, float]:
         """``hvd_scale.metrics.STEP_METRICS``: the policy's at the record ``run`` (default the
-        one held) and S = ``scale`` (default the run's; a short step's row: its own), the lr the
+        one held) and S = ``scale`` (default the latest step's, ``step_scale``, for the record
+        held, else the run's; a short step's row: its own, marked ``short_step``), the lr the
         latest step applied, and the guard's (nan and inf without one)."""
-        run = self.run if run is None else run
+        if run is None:
+            run, scale = self.run, self.step_scale if scale is None else scale
+        scale = run.scale if scale is None else scale
         guard = UNGUARDED_METRICS if self.guard is None else self.guard.metrics()
-        return {**self.policy.metrics(run.policy, run.scale if scale is None else scale),
-                "lr": run.last_lr, **guard, **self._timing}
+        return {**self.policy.metrics(run.policy, scale), "lr": run.last_lr,
+                "short_step": float(scale != run.scale), **guard, **self._timing}
 
     # -- checkpoints and broadcasts: the whole record, validated before anything changes --------
     def state_dict(self) -> dict:

@@ -2,7 +2,8 @@
 
 Files in a log directory:
     run.json        policy spec, scale, workers, budget: what ``hvd-scale plot`` labels runs with;
-                    rank 0's host: its CPUs and the workers on it (``host_facts``)
+                    rank 0's host: its CPUs and the workers on it (``host_facts``); facts learnt
+                    as the run goes (``note``: ``zero_gradients_at_step``)
     metrics.csv     one row per optimizer step (thinned on long runs: ``due``), the columns of
                     ``hvd_scale.metrics.METRICS`` in order
     tb/             TensorBoard scalars under ``hvd_scale/<name>``, written by tensorboardX (imported
@@ -225,12 +226,11 @@ class MetricsLogger:
                 _write_rows(path, header, [r for r in rows if _step(r) < first_step])
         else:
             _write_rows(path, list(METRICS), [])
-        info = {**self._run_info, "budget": self.budget}
-        for key, value in host_facts().items():  # what the caller gave first
-            info.setdefault(key, value)
         if first_step > 1:
-            info["resumed_at_step"] = int(first_step)
-        (self.log_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+            self._run_info["resumed_at_step"] = int(first_step)
+        else:
+            self._run_info.pop("resumed_at_step", None)
+        self._write_info()
         # Line-buffered: every row reaches the file at once, so a killed job keeps its rows.
         self._csv_file = open(path, "a", newline="", buffering=1)
         self._csv = csv.DictWriter(self._csv_file, fieldnames=list(METRICS))
@@ -249,6 +249,19 @@ class MetricsLogger:
                 self._bar = tqdm(total=float(self.budget), unit="tau", desc="progress",
                                  mininterval=10, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} tau "
                                                             "[{elapsed}<{remaining}]")
+
+    def _write_info(self) -> None:
+        info = {**self._run_info, "budget": self.budget}
+        for key, value in host_facts().items():  # what the caller gave first
+            info.setdefault(key, value)
+        (self.log_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    def note(self, key: str, value: Any) -> None:
+        """A fact about the run learnt as it goes (e.g. ``zero_gradients_at_step``), into
+        run.json: now where the log is open, else when it opens."""
+        self._run_info[key] = value
+        if self.active:
+            self._write_info()
 
     def _keep_apart(self) -> None:
         n = 1

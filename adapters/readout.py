@@ -1,6 +1,7 @@
 """The read-only values an adapter's optimizer shows, and its metrics row (names:
 ``hvd_scale.metrics``): each a function of the run's record (``run_state``) and the policy's
-configuration, read at the record's S."""
+configuration, read at the latest step's S, as that step's row in the metrics log: the run's S,
+or a short step's own (fewer micro-batches than announced; ``short_step``) until the next step."""
 
 from __future__ import annotations
 
@@ -26,19 +27,25 @@ class Readout:
         """The run's record (``hvd_scale.run.RunState``): steps, tau, the estimates, S, k."""
         return self.scaling.run
 
-    def _at_s(self, read):
+    def _at_s(self, read, scale: float | None = None):
         run = self.run_state
-        return read(self.scaling.policy, run.policy, run.scale)
+        return read(self.scaling.policy, run.policy,
+                    self.scaling.step_scale if scale is None else scale)
 
     steps = property(lambda self: self.run_state.policy.steps, doc="optimizer steps applied")
     skipped = property(lambda self: self.run_state.policy.skipped,
                        doc="steps skipped (non-finite gradients)")
     progress = property(lambda self: self.run_state.policy.progress, doc="tau, in baseline steps")
-    scale = property(lambda self: self.run_state.scale, doc="S")
+    scale = property(lambda self: self.run_state.scale,
+                     doc="S, the run's: that of a full step (a short step's own: ``metrics()``)")
+    short_step = property(lambda self: self.scaling.step_scale != self.run_state.scale,
+                          doc="the latest step was short (fewer micro-batches than announced): "
+                              "gain and efficiency are at its own S, metrics()['scale']")
     gain = property(lambda self: self._at_s(lambda p, state, s: p.gain(state, s)),
-                    doc="the gain r in [1, S] a step at S applies")
+                    doc="the gain r in [1, S] the latest step applied (a short step: at its "
+                        "own S); before any, the gain a step at S would apply")
     efficiency = property(lambda self: self._at_s(lambda p, state, s: p.efficiency(state, s)),
-                          doc="the applied gain over S")
+                          doc="the latest step's gain over its S")
     sigma2 = property(lambda self: self._at_s(lambda p, state, s: p.estimator(state, s).sigma2),
                       doc="smoothed sigma2")
     mu2 = property(lambda self: self._at_s(lambda p, state, s: p.estimator(state, s).mu2),
@@ -52,12 +59,13 @@ class Readout:
                                   doc="lr the latest step applied: baseline lr x lr_factor")
 
     def factor(self) -> float:
-        """The factor the next step would apply at this S (from the estimates so far)."""
-        return self._at_s(lambda p, state, s: p.factor(state, s))
+        """The factor the next (full) step would apply at S (from the estimates so far)."""
+        return self._at_s(lambda p, state, s: p.factor(state, s), self.run_state.scale)
 
     def metrics(self) -> dict[str, float]:
-        """``hvd_scale.metrics.STEP_METRICS`` as floats (host values: read them eagerly)."""
-        return self.scaling.metrics(self.run_state)
+        """``hvd_scale.metrics.STEP_METRICS`` as floats (host values: read them eagerly): the
+        latest step's row of the metrics log (a short step's at its own S, ``short_step`` 1)."""
+        return self.scaling.metrics()
 
     def done(self, budget: float | None = None) -> bool:
         """True once progress tau has reached the budget (baseline steps)."""

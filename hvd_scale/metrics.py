@@ -25,7 +25,11 @@ METRICS: dict[str, str] = {
     "gain": "measured gain r in [1, S], with the latest step's statistics (1 before any)",
     "lr_factor": "factor the latest step applied to the baseline lr (nan before any step)",
     "lr": "lr the latest step applied: baseline lr x lr_factor (first parameter group)",
-    "scale": "S, the step's batch in baseline batches",
+    "scale": "S, the step's batch in baseline batches (a short step's own: its gain, lr_factor "
+             "and efficiency are at that S)",
+    "short_step": "1 where the step took fewer micro-batches than announced (an epoch's leftover "
+                  "batch, uneven passes across workers), 0 else; the run's S is that of its full "
+                  "steps",
     "sigma2": "smoothed variance of a baseline-batch gradient (trace)",
     "mu2": "smoothed squared norm of the true gradient",
     "noise_scale": "sigma2 / mu2: the batch, in baseline batches, past which scaling stops paying",
@@ -61,10 +65,10 @@ GUARD_METRICS = ("sharpness", "lr_cap")
 # synchronisation): by the torch adapter always, by Keras's when the metrics are logged.
 TIMING_METRICS = ("passes", "workers", "pass_time", "overhead_time", "allreduce_time",
                   "update_time", "step_time")
-STEP_METRICS = POLICY_METRICS + ("lr",) + GUARD_METRICS + TIMING_METRICS
+STEP_METRICS = POLICY_METRICS + ("lr", "short_step") + GUARD_METRICS + TIMING_METRICS
 # Keras puts these into every batch and epoch ``logs`` (the loss is Keras's own there).
 LOGS_METRICS = tuple(k for k in STEP_METRICS
-                     if k not in ("step", "skipped") + GUARD_METRICS + TIMING_METRICS)
+                     if k not in ("step", "skipped", "short_step") + GUARD_METRICS + TIMING_METRICS)
 
 
 def check_names(names) -> None:

@@ -4,8 +4,10 @@ Panels: the lr factor each step applied (AdaScale's gain r, adascale_adam's sqrt
 rule's own factor: one quantity for every policy), the effective lr (on a log axis, so that each
 decay shows as a step of its own size) and tau against the optimizer step; a metric (the loss by
 default) against tau. Each run is labelled by its directory's name (or a label given for it),
-then its policy from run.json and its S as the log's ``scale`` column went: ``S=2->1->2`` for an
-elastic run that lost a worker and got it back (run.json holds only the S it started at).
+then its policy from run.json and its S as the log's ``scale`` column went over its full steps:
+``S=2->1->2`` for an elastic run that lost a worker and got it back (run.json holds only the S it
+started at). A short step (``short_step``: an epoch's leftover batch, its row at its own S)
+changes no S: the label counts them, ``S=8, 3 short steps``.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ def scale_history(scales: Sequence[float]) -> list[float]:
 
 
 def run_label(name: str, info: dict, columns: dict[str, list[float]]) -> str:
-    """``NAME (POLICY, S=...)``: S from the log's scale column (its changes joined by ->),
-    else run.json's."""
-    history = scale_history(columns.get("scale", []))
+    """``NAME (POLICY, S=..., N short steps)``: S from the log's scale column over its full
+    steps (its changes joined by ->), else run.json's; the short steps counted."""
+    short = [s == 1 for s in columns.get("short_step", [])]
+    scales = columns.get("scale", [])
+    history = scale_history([s for i, s in enumerate(scales) if not (i < len(short) and short[i])])
     if not history and isinstance(info.get("scale"), (int, float)):
         history = [float(info["scale"])]
     if len(history) > MAX_SCALES_IN_LABEL:
@@ -42,6 +46,8 @@ def run_label(name: str, info: dict, columns: dict[str, list[float]]) -> str:
     parts = [str(info["policy"])] if info.get("policy") else []
     if history:
         parts.append("S=" + "->".join("..." if math.isnan(s) else f"{s:g}" for s in history))
+    if any(short):
+        parts.append(f"{sum(short)} short step{'s' if sum(short) > 1 else ''}")
     return f"{name} ({', '.join(parts)})" if parts else name
 
 

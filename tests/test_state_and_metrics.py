@@ -378,3 +378,81 @@ def test_log_loss_at_a_wrong_point_is_warned_of_and_a_thinned_row_keeps_its_loss
         warnings.simplefilter("error")
         quiet.set_loss(7.0, step=0, skipped=1)
     quiet.close()
+
+
+# -- a short step and zero gradients, as the readouts, the log and the plot tell them ------------
+
+def _toy(**kw):
+    from test_protocol import ToyOptimizer
+
+    return ToyOptimizer(np.zeros(3), **kw)
+
+
+def _toy_step(opt, passes, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(passes):
+        x = rng.normal(size=(8, 3))
+        opt.backward(x, x @ np.array([1.0, -2.0, 0.5]) + rng.normal(size=8))
+    opt.step()
+
+
+def test_a_short_steps_readouts_row_and_legend_say_one_thing(tmp_path):
+    """A run at S = 4 (one worker x 4 passes) whose third step is short (3 passes, an epoch's
+    leftover batch): its row holds its own S and gain, marked short_step; the readouts right
+    after it say the same (opt.gain was the gain at S = 4 while the row said S = 3's); the run's
+    S stays 4, the next full step reads at 4 again, and the plot's legend names S = 4 once and
+    counts the short step (it read S=4->3->4 as if the run were elastic)."""
+    from hvd_scale.launch.plot import read_run
+
+    opt = _toy(passes=4, short_steps=True, log_dir=str(tmp_path / "run"))
+    for seed in (1, 2):
+        _toy_step(opt, 4, seed)
+    assert not opt.short_step and opt.metrics()["short_step"] == 0.0
+    _toy_step(opt, 3, 3)  # the short step
+    row = opt.metrics()
+    policy, state = opt.policy, opt.run_state.policy
+    assert opt.scale == 4.0 and row["scale"] == 3.0 and row["short_step"] == 1.0
+    assert opt.short_step
+    assert opt.gain == row["gain"] == policy.gain(state, 3.0) != policy.gain(state, 4.0)
+    assert opt.efficiency == row["efficiency"] == opt.gain / 3.0
+    assert row["lr_factor"] == opt.lr_factor == state.lr_factor  # adascale's: the gain at 3
+    assert opt.factor() == policy.factor(state, 4.0)  # the next, full, step's
+    _toy_step(opt, 4, 4)
+    assert not opt.short_step and opt.gain == policy.gain(opt.run_state.policy, 4.0)
+    assert opt.metrics()["scale"] == 4.0
+    opt.close()
+    rows = _rows(tmp_path / "run" / "metrics.csv")
+    assert [float(r["scale"]) for r in rows] == [4.0, 4.0, 3.0, 4.0]
+    assert [float(r["short_step"]) for r in rows] == [0.0, 0.0, 1.0, 0.0]
+    assert float(rows[2]["gain"]) == row["gain"]
+    label, _ = read_run(tmp_path / "run")
+    assert label == "run (adascale, S=4, 1 short step)"
+
+
+def test_zero_gradients_are_said_once_in_the_console_and_run_json(tmp_path):
+    """A loss that is exactly zero (PyTorch's DDP tutorial series: cross-entropy over
+    Linear(20, 1)'s one output) gives zero gradients: the gain is 1 and tau counts steps. It
+    is said once, as a warning on rank 0 and ``zero_gradients_at_step`` in run.json; a run
+    with gradients says nothing."""
+    x = np.random.default_rng(0).normal(size=(8, 3))
+    w = np.array([1.0, -2.0, 0.5])
+    opt = _toy(passes=2, log_dir=str(tmp_path / "zero"))
+    opt.w = w.copy()
+    with pytest.warns(UserWarning, match=r"gradients of step 1 \(tau 1\) are all zero") as said:
+        for _ in range(3):
+            for _ in range(2):
+                opt.backward(x, x @ w)  # fits exactly: every micro-gradient is 0
+            opt.step()
+    assert len([w for w in said if "all zero" in str(w.message)]) == 1
+    assert opt.gain == 1.0 and opt.progress == 3.0
+    opt.close()
+    info = json.loads((tmp_path / "zero" / "run.json").read_text())
+    assert info["zero_gradients_at_step"] == 1
+    # measured gradients: nothing said, nothing noted
+    opt = _toy(passes=2, log_dir=str(tmp_path / "fine"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in (1, 2):
+            _toy_step(opt, 2, seed)
+        opt.close()
+    assert "zero_gradients_at_step" not in json.loads((tmp_path / "fine" / "run.json").read_text())
