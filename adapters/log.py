@@ -56,8 +56,8 @@ def check_every(every: Any, name: str = "log every") -> int | None:
 
 
 # Where a launcher says how many workers share this host (Horovod's Gloo launcher and its Ray
-# executor; OpenMPI's mpirun): the first one set.
-LOCAL_SIZE_VARIABLES = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# executor; OpenMPI's mpirun; torchrun): the first one set.
+LOCAL_SIZE_VARIABLES = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
 
 
 def host_facts() -> dict[str, int | None]:
