@@ -6,6 +6,7 @@
 #   make smoke   a 2-process Horovod job without hvd_scale
 #   make docs    the documentation site, built strict into site/ (tests/test_docs.py builds it too)
 #   make docs-serve  the site served at http://127.0.0.1:8000/ (its search needs a server)
+#   make dist    a release's sdist and wheel in dist/, checked with twine (no upload)
 #   make clean   remove caches and build leftovers (keeps .venv; `make distclean` removes it too)
 
 SHELL := /bin/bash
@@ -16,7 +17,7 @@ STAMP := $(VENV)/.hvd_scale_ready
 TEST_TIMEOUT ?= 3600
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo smoke docs docs-serve clean distclean
+.PHONY: setup test demo smoke docs docs-serve dist clean distclean
 
 setup: $(STAMP)
 
@@ -50,6 +51,13 @@ docs: setup
 DOCS_ADDR ?= 127.0.0.1:8000
 docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict -a $(DOCS_ADDR)
+
+# A release (its version: hvd_scale/__init__.py; its entry: docs/changelog.md): the sdist, the
+# wheel built from it, and twine's check of both, as a package index would take them.
+dist: setup
+	rm -rf dist
+	$(PYTHON) -m build --outdir dist .
+	$(PYTHON) -m twine check --strict dist/*
 
 clean:
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf

@@ -24,4 +24,4 @@ __all__ = [
     "make_policy", "optimizer_family", "parse_spec", "schedules", "lr_at", "LocalReducer",
     "pack_local", "unpack_summed",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

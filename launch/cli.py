@@ -212,6 +212,9 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     except engines.EngineUnavailable as e:
         print(f"hvd-scale run: {e}", file=sys.stderr)
         return 127
+    except engines.JobNotStarted as e:  # the engine's start failed: no worker ran
+        print(f"hvd-scale run: the {args.engine} job did not start: {e}", file=sys.stderr)
+        return 1
     except engines.JobStopped as e:  # the job was stopped; nothing of it is left running
         print(f"hvd-scale run: the job was {e}", file=sys.stderr)
         return e.exit_code
@@ -237,14 +240,69 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    """Versions and Horovod's build; exit 1 when Horovod is missing, when Horovod's library for
-    an installed framework does not load, or when neither framework is installed. A framework
-    that is not installed (a torch-only environment) is said so, not counted against it."""
-    import importlib.metadata as md
+# What Horovod adds where torch.distributed is there already (`hvd-scale check`).
+HOROVOD_ADDS = ("the horovodrun engine (hvd-scale run's default; Gloo or MPI, -H hosts, elastic "
+                "jobs over a host discovery script), the ray and spark engines, and the Keras "
+                "adapter (hvd_scale.adapters.keras)")
+# Engines by what they need: torchrun torch.distributed alone; the others Horovod, and ray and
+# spark their own packages (module, the pyproject.toml extra's hint).
+ENGINE_PACKAGES = {"ray": ("ray", engines.INSTALL_HINTS["ray"]),
+                   "spark": ("pyspark", engines.INSTALL_HINTS["spark"])}
 
-    ok = True
-    frameworks = 0
+
+def _torch_distributed() -> tuple[bool, str]:
+    """Whether the torchrun engine can run here, and what was found."""
+    if not _importable("torch"):
+        return False, f"torch is not installed: {engines.INSTALL_HINTS['torchrun']}"
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as e:  # a broken install
+        return False, f"torch does not import ({type(e).__name__}: {e})"
+    if not dist.is_available():
+        return False, f"torch {torch.__version__} was built without torch.distributed"
+    torchrun = jobs.find_torchrun()
+    if torchrun is None:
+        return False, f"torchrun not found: {engines.INSTALL_HINTS['torchrun']}"
+    return True, (f"torch.distributed {torch.__version__}: Gloo {dist.is_gloo_available()}, "
+                  f"NCCL {dist.is_nccl_available()}, MPI {dist.is_mpi_available()}; torchrun "
+                  f"{' '.join(torchrun)}")
+
+
+def _horovod() -> tuple[bool | None, list[str]]:
+    """Whether Horovod is usable (None: not installed), and a line per framework: its
+    extension's build, or why it does not load. A framework that is not installed is said
+    so, not counted against Horovod."""
+    try:
+        import horovod.common.util as util  # noqa: F401
+    except ImportError:
+        return None, []
+    ok, frameworks, lines = True, 0, []
+    for fw, module, framework in (("PyTorch", "horovod.torch", "torch"),
+                                  ("TensorFlow", "horovod.tensorflow", "tensorflow")):
+        if not _importable(framework):
+            lines.append(f"horovod[{fw}]: not checked ({framework} is not installed)")
+            continue
+        frameworks += 1
+        try:
+            hvd = __import__(module, fromlist=["mpi_built"])
+            lines.append(f"horovod[{fw}]: built; MPI {hvd.mpi_built()}, Gloo {hvd.gloo_built()}, "
+                         f"NCCL {hvd.nccl_built()}")
+        except Exception as e:  # an unbuilt or mismatched extension
+            ok = False
+            lines.append(f"horovod[{fw}]: NOT usable ({type(e).__name__}: {e}): {SETUP_HINT}")
+    if not frameworks:
+        ok = False
+        lines.append("neither torch nor tensorflow is installed: hvd_scale needs one of them")
+    return ok, lines
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Versions, then what each engine has here: torch.distributed (the torchrun engine), and
+    Horovod's build (horovodrun; ray and spark need it too). Exit 0 when the engine asked for
+    (``--engine``), or without one any engine, is usable; else 1. A Horovod that is missing
+    where torch.distributed is there is said so with what it would add, not an error."""
+    import importlib.metadata as md
 
     def version(dist: str) -> str:
         try:
@@ -253,38 +311,68 @@ def cmd_check(args: argparse.Namespace) -> int:
             return "not installed"
 
     print(f"python      {sys.version.split()[0]}")
+    print(f"hvd-scale   {_version()}")
     for dist in ("horovod", "torch", "tensorflow-cpu", "tensorflow", "keras", "numpy", "mpi4py"):
         v = version(dist)
         if v != "not installed" or dist in ("horovod", "torch", "keras"):
             print(f"{dist:11s} {v}")
-    try:
-        import horovod.common.util as util  # noqa: F401
-    except ImportError:
-        print(f"horovod is not importable: {SETUP_HINT}")
-        return 1
-    for fw, module, framework in (("PyTorch", "horovod.torch", "torch"),
-                                  ("TensorFlow", "horovod.tensorflow", "tensorflow")):
-        if not _importable(framework):
-            print(f"horovod[{fw}]: not checked ({framework} is not installed)")
-            continue
-        frameworks += 1
-        try:
-            hvd = __import__(module, fromlist=["mpi_built"])
-            print(f"horovod[{fw}]: built; MPI {hvd.mpi_built()}, Gloo {hvd.gloo_built()}, "
-                  f"NCCL {hvd.nccl_built()}")
-        except Exception as e:  # an unbuilt or mismatched extension
-            ok = False
-            print(f"horovod[{fw}]: NOT usable ({type(e).__name__}: {e}): {SETUP_HINT}")
-    if not frameworks:
-        ok = False
-        print("neither torch nor tensorflow is installed: hvd_scale needs one of them")
+    asked = args.engine
+    ready: dict[str, bool] = {}
+    if asked in (None, "torchrun"):
+        ready["torchrun"], found = _torch_distributed()
+        print(f"torchrun engine: {'ready' if ready['torchrun'] else 'NOT usable'} ({found})")
+    if asked != "torchrun":
+        horovod, lines = _horovod()
+        for line in lines:
+            print(line)
+        if horovod is None:
+            if ready.get("torchrun"):
+                print(f"horovod is not installed: DDP scripts run without it (hvd-scale run "
+                      f"--engine torchrun). It would add {HOROVOD_ADDS}: hvd-scale "
+                      f"build-horovod builds it")
+            else:
+                print(f"horovod is not importable: {SETUP_HINT}")
+        ready["horovodrun"] = bool(horovod)
+        print(f"horovodrun engine: {'ready' if horovod else 'NOT usable'}")
+        for name, (module, hint) in ENGINE_PACKAGES.items():
+            if asked not in (None, name):
+                continue
+            has = _importable(module)
+            ready[name] = bool(horovod) and has
+            why = [] if horovod else ["Horovod"]
+            why += [] if has else [f"{module} ({hint})"]
+            print(f"{name} engine: " + ("ready" if ready[name] else
+                                        f"NOT usable (needs {' and '.join(why)})"))
     print(f"slots on this host: {os.cpu_count()}")
-    return 0 if ok else 1
+    usable = ready.get(asked, False) if asked else any(ready.values())
+    if not usable:
+        print(f"hvd-scale check: {'the ' + asked + ' engine is not' if asked else 'no engine is'}"
+              f" usable here")
+    return 0 if usable else 1
+
+
+def _version() -> str:
+    from hvd_scale import __version__
+
+    return __version__
+
+
+def _optional(command: str, module: str) -> str | None:
+    """None when ``module`` imports, else the one line that says what to install."""
+    try:
+        __import__(module)
+    except ImportError as e:
+        return f"hvd-scale {command}: {engines.missing_module(e)}"
+    return None
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from hvd_scale.launch.plot import plot_runs
 
+    missing = _optional("plot", "matplotlib")
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     try:
         plot_runs(args.run_dirs, args.output, metric=args.metric, labels=args.labels)
     except (FileNotFoundError, ValueError) as e:
@@ -297,6 +385,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_advise(args: argparse.Namespace) -> int:
     from hvd_scale.launch.advise import advise
 
+    missing = args.plot and _optional("advise --plot", "matplotlib")
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     try:
         print(advise(args.log_dirs, workers=args.workers, passes=args.passes,
                      micro_batch_factors=args.micro_batch_factors, budget=args.budget,
@@ -325,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hvd-scale", description=DESCRIPTION,
         epilog="Example: hvd-scale run -np 2 --policy adascale --log-dir runs/ada -- "
                "python train.py. See `hvd-scale COMMAND --help` for each command.")
+    parser.add_argument("--version", action="version", version=f"hvd-scale {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="Run COMMAND on every worker with a policy.",
@@ -396,7 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "3 for an elastic job).")
 
     sub.add_parser("policies", help="List the policies and their options.")
-    sub.add_parser("check", help="Show Horovod's build, the frameworks and the slots.")
+    check = sub.add_parser(
+        "check", help="Show what each engine has here: torch.distributed, Horovod's build.",
+        description="Show the versions, what each engine has here (torch.distributed for "
+                    "torchrun; Horovod's build for horovodrun, ray and spark) and the slots. "
+                    "Exit 0 when the engine named, or without --engine any engine, is usable.")
+    check.add_argument("--engine", choices=sorted(engines.ENGINES), default=None,
+                       help="The engine that must be usable (default: any).")
 
     from hvd_scale.launch import build_horovod  # standard library only: cheap to import
 

@@ -69,6 +69,35 @@ INSTALL_HINTS = {
     "spark": "pip install 'hvd-scale[spark]' (and Java 17)",
     "torchrun": "pip install 'hvd-scale[torch]' (torchrun comes with torch)",
 }
+# The optional modules a command may need, by the pyproject.toml extra that installs each
+# (tests/test_install.py checks the names against pyproject.toml).
+EXTRA_OF_MODULE = {
+    "matplotlib": "plot", "torch": "torch", "tensorflow": "tensorflow", "keras": "keras",
+    "mpi4py": "mpi", "ray": "ray", "pyspark": "spark", "pyarrow": "spark", "sacrebleu": "bleu",
+    "tensorboard": "metrics", "tqdm": "metrics", "lightning": "lightning",
+    "accelerate": "accelerate",
+}
+# What `pip install hvd-scale` installs (pyproject.toml's dependencies), by module.
+REQUIRED_MODULES = ("numpy", "tensorboardX", "filelock", "packaging", "psutil")
+
+
+def install_hint(module: str | None) -> str:
+    """What to install for a missing module: its extra, or hvd-scale's own requirements, or
+    Horovod (``hvd-scale build-horovod``)."""
+    top = (module or "").split(".")[0]
+    if top in EXTRA_OF_MODULE:
+        return f"pip install 'hvd-scale[{EXTRA_OF_MODULE[top]}]'"
+    if top in REQUIRED_MODULES:
+        return f"a requirement of hvd-scale: pip install {top} (or reinstall hvd-scale)"
+    if top == "horovod":
+        return "hvd-scale build-horovod builds and installs it"
+    return f"pip install {top}" if top else "install what the message names"
+
+
+def missing_module(e: ImportError) -> str:
+    """One line for an ImportError of a module not installed: which, and what to install."""
+    name = e.name or str(e)
+    return f"{name.split('.')[0]} is not installed: {install_hint(e.name)}"
 # A local Ray cluster's object store: Ray's default is 30% of the memory, far more than per-rank
 # results (or a command's output) need; 256 MiB keeps a small machine's memory for the workers.
 RAY_OBJECT_STORE_BYTES = 256 * 1024 ** 2
@@ -111,6 +140,10 @@ class JobStopped(KeyboardInterrupt):
 
 class EngineUnavailable(RuntimeError):
     """The engine's software is missing here; the message says what to install."""
+
+
+class JobNotStarted(RuntimeError):
+    """The job failed before any worker started (the engine's start); its cause is chained."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,11 +286,22 @@ def run_command(command: Sequence[str], np: int | None = None, engine: str | Eng
         raise ValueError("give the command to run")
     job = make_job(np, policy, log_dir, min_np, max_np, log_every, samples)
     eng = make_engine(engine, **engine_options)
-    earlier = {p.pid for p in _below([_this_process()])}  # not the job's: never stopped
+    try:
+        earlier = {p.pid for p in _below([_this_process()])}  # not the job's: never stopped
+    except ImportError as e:  # psutil: a requirement, missing from a broken install
+        raise EngineUnavailable(missing_module(e)) from None
     with _StopOnSignals() as stop:
         try:
             try:
-                eng.start(job)
+                try:
+                    eng.start(job)
+                except (EngineUnavailable, ValueError, KeyboardInterrupt):
+                    raise
+                except ImportError as e:
+                    raise EngineUnavailable(f"the {eng.name} engine needs {missing_module(e)}") \
+                        from None
+                except Exception as e:  # nothing of the job started: not "the job failed"
+                    raise JobNotStarted(f"{type(e).__name__}: {e}") from e
                 stop.arm()  # again: start may set handlers of its own (ray.init's SIGTERM exits)
                 return eng.run_command(list(command), job)
             finally:
@@ -342,7 +386,8 @@ def _call_with_env(fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str
 # ----------------------------------------------------------------------------------------------
 # Stopping a job on SIGINT, SIGTERM or SIGHUP to the driver. Left to their default actions these
 # end the driver at once, and horovodrun (or mpirun, re-parented to PID 1) and the ranks train on.
-# Processes are found with psutil, a Horovod dependency (so there wherever an engine can run).
+# Processes are found with psutil, a requirement of hvd-scale (pyproject.toml): a DDP environment
+# has no Horovod to bring it.
 
 class _StopOnSignals:
     """While a job runs, the first stop signal raises JobStopped in the driver's main thread
@@ -514,6 +559,82 @@ def run_stoppable(cmd: Sequence[str], env: Mapping[str, str]) -> int:
 # horovodrun
 
 HOSTNAME_CHECK_TIMEOUT_S = 10
+# horovodrun's options that name the NICs (Horovod 0.28.1; the second is an alias).
+NIC_OPTIONS = ("--network-interfaces", "--network-interface")
+# A host discovery script run once at the start, to see where an elastic job would begin.
+DISCOVERY_TIMEOUT_S = 10
+
+
+def _option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value of the first of ``names`` in args (``--opt VALUE`` or ``--opt=VALUE``)."""
+    for i, a in enumerate(args):
+        option, eq, value = a.partition("=")
+        if option in names:
+            return value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+def elastic_hosts(hosts: str | None, extra_args: Sequence[str],
+                  cwd: str | None = None) -> list[str] | None:
+    """The hosts an elastic horovodrun job starts on, as far as they are known now: a
+    --host-discovery-script's output (run once here, in cwd, as horovodrun runs it: a shell
+    command), a --hostfile's, else -H's (default localhost). None: the script failed."""
+    script = _option_value(extra_args, ("--host-discovery-script",))
+    hostfile = _option_value(extra_args, ("--hostfile", "-hostfile"))
+    if script is not None:
+        try:
+            out = subprocess.run(script, shell=True, cwd=cwd, capture_output=True, text=True,
+                                 timeout=DISCOVERY_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode != 0:
+            return None
+        lines = out.stdout.splitlines()
+    elif hostfile is not None:
+        try:
+            with open(os.path.join(cwd or "", hostfile)) as f:
+                lines = [line.split()[0] for line in f if line.split()
+                         and not line.lstrip().startswith("#")]
+        except OSError:
+            return None
+    else:
+        lines = (hosts or "localhost").split(",")
+    return [line.strip().rsplit(":", 1)[0] for line in lines if line.strip()]
+
+
+def is_local_host(host: str) -> bool:
+    """The host is this machine: every address it resolves to is a loopback or one of this
+    machine's own (psutil.net_if_addrs)."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    own = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return bool(found) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in own
+                               for a in found)
+
+
+def one_host_nics(job: Job, hosts: str | None, extra_args: Sequence[str], out=None) -> list[str]:
+    """What an elastic horovodrun job on this host alone needs: ``--network-interfaces lo``.
+    Without a NIC named, Horovod 0.28.1's elastic driver waits for two hosts to find the
+    interfaces they share (``_get_min_start_hosts``), silently, for ever on one host. Where the
+    job's hosts are not all this one and fewer than two, a warning says what to add."""
+    if not job.elastic or _option_value(extra_args, NIC_OPTIONS) is not None:
+        return []
+    names = elastic_hosts(hosts, extra_args, job.cwd)
+    if names and all(is_local_host(h) for h in names) and _has_interface("lo"):
+        return ["--network-interfaces", "lo"]
+    if names is not None and len(set(names)) < 2:
+        print(f"hvd-scale run: warning: an elastic Horovod job without --network-interfaces waits "
+              f"for two hosts to find the network interfaces they share, and starts with "
+              f"{', '.join(names) or 'no host'} found now: name the interface the hosts share "
+              f"(--network-interfaces eth0; lo for this host alone)", file=out or sys.stderr)
+    return []
 
 
 def remote_hostnames(hosts: str | None, extra_args: Sequence[str]) -> dict[str, str]:
@@ -560,7 +681,9 @@ def warn_shared_hostnames(hosts: str | None, extra_args: Sequence[str], out=None
 class HorovodrunEngine:
     """The command under ``horovodrun`` (a function under ``horovod.run``), which hands the
     environment to every worker (Gloo and MPI). hosts: ``-H`` (default localhost:N); controller:
-    "gloo", "mpi" or None (horovodrun's choice); extra_args: any other horovodrun options."""
+    "gloo", "mpi" or None (horovodrun's choice); extra_args: any other horovodrun options. An
+    elastic job whose hosts are this one alone gets ``--network-interfaces lo`` unless a NIC is
+    named (``one_host_nics``), as the torchrun engine puts a one-node job's Gloo on the loopback."""
 
     name = "horovodrun"
 
@@ -571,15 +694,18 @@ class HorovodrunEngine:
         self.hosts, self.controller = hosts, controller
         self.extra_args = list(extra_args)
         self.executable = executable
+        self._added_args: list[str] = []  # what the job needs besides (one_host_nics)
 
     def start(self, job: Job) -> None:
         self.executable = self.executable or find_horovodrun()
         if self.executable is None:
             raise EngineUnavailable(f"horovodrun not found: {SETUP_HINT}")
+        self._added_args = one_host_nics(job, self.hosts, self.extra_args)
 
     def command_line(self, command: Sequence[str], job: Job) -> list[str]:
         return horovodrun_command(resolve_python(command), job.np, hosts=self.hosts,
-                                  controller=self.controller, extra_args=self.extra_args,
+                                  controller=self.controller,
+                                  extra_args=self.extra_args + self._added_args,
                                   min_np=job.min_np, max_np=job.max_np,
                                   executable=self.executable)
 

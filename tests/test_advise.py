@@ -206,6 +206,28 @@ def test_a_real_two_worker_log_records_its_shared_host_and_advise_warns(tmp_path
             f"(2 workers on {os.cpu_count()} CPUs)") in out
 
 
+@pytest.mark.parametrize("variables, expected", [
+    ({"HOROVOD_LOCAL_SIZE": "2"}, 2),            # horovodrun (Gloo), horovod.ray, horovod.spark
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3),    # mpirun
+    ({"LOCAL_WORLD_SIZE": "4"}, 4),              # torchrun: a DDP log wrote null
+    ({}, None),                                  # no launcher said
+])
+def test_run_json_records_the_workers_on_the_host_under_every_launcher(monkeypatch, tmp_path,
+                                                                       variables, expected):
+    from hvd_scale.adapters.log import LOCAL_SIZE_VARIABLES
+
+    for name in LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    logger = MetricsLogger(tmp_path, run_info={"policy": "adascale", "workers": 2},
+                           progress_bar=False, tensorboard=False)
+    logger.log({"step": 1, "progress": 2.0})
+    logger.close()
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["workers_on_host"] == expected and info["host_cpus"] == os.cpu_count()
+
+
 # -- #48 item 2: runs at several W, each W from its own steps -------------------------------------
 
 SHARED_PASS, ALONE_PASS = 0.030, 0.010  # 2 workers on 2 cores: 3x the pass of one process alone

@@ -241,7 +241,98 @@ def test_elastic_run_starts_with_min_np_workers(monkeypatch):
     cmd = _horovodrun_line(monkeypatch, ["run", "-np", "3", "--min-np", "2", "--max-np", "4",
                                          "--", "./train"])
     assert cmd == ["/x/horovodrun", "-np", "3", "--min-np", "2", "--max-np", "4",
-                   "-H", "localhost:3", "./train"]
+                   "-H", "localhost:3", "--network-interfaces", "lo", "./train"]
+
+
+def test_an_elastic_job_on_this_host_alone_gets_the_loopback(monkeypatch, tmp_path, capsys):
+    """Horovod's elastic driver, with no NIC named, waits for two hosts to compare their
+    interfaces: on one host it hung with no output. hvd-scale run adds --network-interfaces lo
+    where every host the job starts on is this one (a discovery script's, -H's, a hostfile's),
+    leaves a NIC the user named alone, and warns within seconds where one remote host would
+    leave the job waiting."""
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
+    script.chmod(0o755)
+    base = ["run", "--min-np", "1", "--max-np", "2"]
+    cmd = _horovodrun_line(monkeypatch, [*base, "--host-discovery-script", "./hosts.sh", "--",
+                                         "python", "train.py"])
+    assert cmd[-4:] == ["--network-interfaces", "lo", sys.executable, "train.py"], cmd
+    cmd = _horovodrun_line(monkeypatch, [*base, "--", "python", "train.py"])  # -H localhost:2
+    assert "--network-interfaces" in cmd and cmd[cmd.index("-H") + 1] == "localhost:2", cmd
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    cmd = _horovodrun_line(monkeypatch, [*base, "--hostfile", "hostfile", "--", "./train"])
+    assert cmd[-3:] == ["--network-interfaces", "lo", "./train"], cmd
+    for given in (["--network-interfaces", "eth0"], ["--network-interface=eth1"]):
+        cmd = _horovodrun_line(monkeypatch, [*base, "--host-discovery-script", "./hosts.sh",
+                                             *given, "--", "./train"])
+        assert cmd.count("lo") == 0 and given[-1] in cmd, cmd
+    # Not an elastic job: nothing added.
+    cmd = _horovodrun_line(monkeypatch, ["run", "-np", "2", "--", "./train"])
+    assert "--network-interfaces" not in cmd
+    capsys.readouterr()
+    # One remote host: the job would wait for a second; say what to add.
+    script.write_text("#!/bin/sh\necho remote-host.invalid:2\n")
+    cmd = _horovodrun_line(monkeypatch, [*base, "--host-discovery-script", "./hosts.sh", "--",
+                                         "./train"])
+    err = capsys.readouterr().err
+    assert "--network-interfaces" not in cmd
+    assert "waits for two hosts" in err and "--network-interfaces eth0" in err, err
+
+
+def test_a_missing_requirement_says_the_job_never_started(monkeypatch, capsys):
+    """`hvd-scale run` in an environment without psutil (a DDP one: psutil came with Horovod)
+    said "the torchrun job failed: ModuleNotFoundError" of a job that never started. psutil
+    is now hvd-scale's own requirement; where it is missing all the same, one line says what
+    to install, and a failure of the engine's start is not called the job's."""
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    code = cli.main(["run", "--engine", "torchrun", "--", "python", "-c", "pass"])
+    err = capsys.readouterr().err
+    assert code == 127 and "job failed" not in err, err
+    assert err.strip() == ("hvd-scale run: psutil is not installed: a requirement of hvd-scale: "
+                           "pip install psutil (or reinstall hvd-scale)"), err
+    monkeypatch.delitem(sys.modules, "psutil")
+
+    class Broken(cli.engines.TorchrunEngine):
+        def start(self, job):
+            raise OSError("no rendezvous")
+
+    monkeypatch.setitem(cli.engines.ENGINES, "torchrun", Broken)
+    assert cli.main(["run", "--engine", "torchrun", "--", "python", "-c", "pass"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "hvd-scale run: the torchrun job did not start: OSError: no rendezvous"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["plot", "RUN", "-o", "p.png"],
+     "hvd-scale plot: matplotlib is not installed: pip install 'hvd-scale[plot]'"),
+    (["advise", "RUN", "--plot", "e.png"],
+     "hvd-scale advise --plot: matplotlib is not installed: pip install 'hvd-scale[plot]'"),
+])
+def test_a_command_without_its_optional_dependency_names_the_extra(monkeypatch, capsys, tmp_path,
+                                                                   argv, line):
+    """`hvd-scale plot` without matplotlib ended in a traceback: one line naming the extra,
+    exit 2, before any log is read."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = [str(tmp_path / "run") if a == "RUN" else a for a in argv]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == line and not captured.out, captured
+
+
+def test_every_extra_a_hint_names_is_in_pyproject():
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert set(cli.engines.EXTRA_OF_MODULE.values()) <= set(extras)
+    for hint in cli.engines.INSTALL_HINTS.values():
+        assert hint.split("[")[1].split("]")[0] in extras, hint
+    dependencies = " ".join(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())[
+        "project"]["dependencies"]).lower()
+    for module in cli.engines.REQUIRED_MODULES:
+        assert module.lower() in dependencies, module
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -266,13 +357,15 @@ def test_help_says_elastic_np_defaults_to_min_np(capsys):
 @pytest.mark.timeout(150)
 def test_elastic_command_of_the_docs_runs(tmp_path):
     """docs/elastic.md's command shape, for real: --min-np/--max-np and a discovery script, no
-    -np; one slot discovered, so one worker, which joins the elastic rendezvous."""
+    -np; one slot discovered, so one worker, which joins the elastic rendezvous. Without
+    --network-interfaces: on one host hvd-scale run names lo (Horovod's elastic driver waited,
+    silently, for a second host to find the interfaces the hosts share)."""
     hosts = tmp_path / "hosts.sh"
     hosts.write_text("#!/bin/sh\necho localhost:1\n")
     hosts.chmod(0o755)
     proc = run_process(
         [str(HVD_SCALE), "run", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
-         "./hosts.sh", "--network-interfaces", "lo", "--", "python", "-c",
+         "./hosts.sh", "--", "python", "-c",
          "import horovod.torch as hvd; hvd.init(); print('size', hvd.size(), 'rank', hvd.rank())"],
         timeout=130, cwd=tmp_path, env=worker_env(), what="elastic hvd-scale run")
     assert "size 1 rank 0" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

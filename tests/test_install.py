@@ -49,6 +49,9 @@ PACKAGE_DIRS: dict[str, str] = SETUPTOOLS["package-dir"]
 PACKAGE_DATA: dict[str, list[str]] = SETUPTOOLS.get("package-data", {})
 REQUIRE_ENV_VAR = "HVD_SCALE_REQUIRE_HOROVOD"  # set by `make test`: Horovod must be there
 EXTRAS = "torch,keras"
+VERSION = re.search(r'^__version__ = "([^"]+)"$',
+                    (REPO_ROOT / "hvd_scale" / "__init__.py").read_text(encoding="utf-8"),
+                    re.M).group(1)
 STEP_TIMEOUT_S = 240  # one command; the module's tests take about a minute on 2 cores
 
 pytestmark = pytest.mark.timeout(600)
@@ -136,9 +139,23 @@ def wheel(workdir) -> Path:
     """`pip wheel` of a copy of the sources, decoys beside them; no download, no repo writes."""
     if importlib.util.find_spec("setuptools") is None:
         pytest.skip("setuptools is not installed here (pip wheel --no-build-isolation needs it)")
-    src = workdir / "src"
+    src = copy_sources(workdir / "src")
+    dist = workdir / "dist"
+    out = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+               "--no-index", "-w", dist, src], hermetic_env(), workdir)
+    assert out.returncode == 0, f"pip wheel failed:\n{_tail(out.stdout)}"
+    wheels = list(dist.glob("*.whl"))
+    assert len(wheels) == 1, f"pip wheel made {[w.name for w in wheels]}"
+    return wheels[0]
+
+
+SOURCE_FILES = ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "setup.py", "setup.cfg")
+
+
+def copy_sources(src: Path) -> Path:
+    """The package's sources copied to src, with decoys beside them that no build may take."""
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "MANIFEST.in", "setup.py", "setup.cfg"):
+    for name in SOURCE_FILES:
         if (REPO_ROOT / name).exists():
             shutil.copy2(REPO_ROOT / name, src / name)
     for top in sorted({PACKAGE_DIRS.get(p, p.replace(".", "/")).split("/")[0] for p in PACKAGES}):
@@ -151,13 +168,7 @@ def wheel(workdir) -> Path:
     for decoy in decoys:
         (src / decoy).parent.mkdir(parents=True, exist_ok=True)
         (src / decoy).write_text("# not part of the package\n")
-    dist = workdir / "dist"
-    out = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-               "--no-index", "-w", dist, src], hermetic_env(), workdir)
-    assert out.returncode == 0, f"pip wheel failed:\n{_tail(out.stdout)}"
-    wheels = list(dist.glob("*.whl"))
-    assert len(wheels) == 1, f"pip wheel made {[w.name for w in wheels]}"
-    return wheels[0]
+    return src
 
 
 def test_pip_wheel_holds_the_package_and_nothing_else(wheel):
@@ -194,6 +205,65 @@ def test_the_wheel_declares_the_commands_and_the_extras(wheel):
     for name, target in PYPROJECT["project"]["scripts"].items():
         assert re.search(rf"^{re.escape(name)} = {re.escape(target)}$", entry_points, re.M), \
             entry_points
+
+
+# ---------------------------------------------------------------------------------------------
+# A release: `python -m build` (the sdist, then the wheel from it) and `twine check`, offline
+
+def _release_tools() -> None:
+    missing = [m for m in ("build", "twine") if importlib.util.find_spec(m) is None]
+    if missing:
+        message = (f"{', '.join(missing)} not installed here: pyproject.toml's dev extra has "
+                   f"them (make setup installs it)")
+        if _required():
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def test_a_release_builds_an_sdist_and_a_wheel_that_pass_twine_check(workdir):
+    _release_tools()
+    src = copy_sources(workdir / "release-src")
+    dist = workdir / "release-dist"
+    out = run([sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, src],
+              hermetic_env(), workdir)
+    assert out.returncode == 0, f"python -m build failed:\n{_tail(out.stdout)}"
+    sdist, = dist.glob("*.tar.gz")
+    wheel, = dist.glob("*.whl")
+    assert sdist.name == f"hvd_scale-{VERSION}.tar.gz", sdist.name
+    assert wheel.name == f"hvd_scale-{VERSION}-py3-none-any.whl", wheel.name
+    # The wheel (built from the sdist) holds the package; the sdist its sources and no decoy.
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n for n in names if ".dist-info/" not in n} == expected_wheel_files()
+    import tarfile
+
+    with tarfile.open(sdist) as tar:
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile()}
+    sources = {str((_package_dir(f.rsplit("/", 1)[0].replace("/", ".")) /
+                    f.rsplit("/", 1)[1]).relative_to(REPO_ROOT)) for f in expected_wheel_files()}
+    assert sources <= members, sorted(sources - members)
+    assert {"pyproject.toml", "README.md", "PKG-INFO"} <= members
+    assert not [m for m in members if "decoy" in m], sorted(members)
+    out = run([sys.executable, "-m", "twine", "check", "--strict", sdist, wheel],
+              hermetic_env(), workdir)
+    assert out.returncode == 0, _tail(out.stdout)
+    assert out.stdout.count("PASSED") == 2, _tail(out.stdout)
+
+
+def test_the_version_has_its_changelog_entry():
+    """One version (hvd_scale.__version__, which pyproject.toml reads), and docs/changelog.md's
+    newest release is it: `## X.Y.Z (YYYY-MM-DD)`, newest first, under `## Unreleased`."""
+    assert PYPROJECT["project"]["dynamic"] == ["version"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "hvd_scale.__version__"}
+    text = (REPO_ROOT / "docs" / "changelog.md").read_text(encoding="utf-8")
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[0] == "Unreleased", headings
+    releases = [re.fullmatch(r"(\d+)\.(\d+)\.(\d+) \((\d{4}-\d\d-\d\d)\)", h) for h in headings[1:]]
+    assert releases and all(releases), headings
+    assert releases[0].group(0).split()[0] == VERSION, (headings[1], VERSION)
+    versions = [tuple(map(int, m.groups()[:3])) for m in releases]
+    assert versions == sorted(versions, reverse=True) and len(set(versions)) == len(versions)
+    assert not re.search(r"#\d", text), "an issue number on a user-facing page"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +377,7 @@ def installed(fresh, wheel) -> subprocess.CompletedProcess:
 def test_pip_install_into_an_existing_environment_adds_only_hvd_scale(fresh, installed):
     lines = installed.stdout.splitlines()
     done = [line for line in lines if line.startswith("Successfully installed")]
-    assert done == ["Successfully installed hvd-scale-0.1.0"], _tail(installed.stdout)
+    assert done == [f"Successfully installed hvd-scale-{VERSION}"], _tail(installed.stdout)
     for dist in ("torch", "keras", "numpy"):
         assert any(re.match(rf"Requirement already satisfied: {dist}\b", line) for line in lines), \
             f"{dist} was not found in the environment:\n{_tail(installed.stdout)}"
@@ -338,7 +408,7 @@ def test_build_horovod_or_a_found_horovod_then_check(fresh, installed):
         out = fresh.run("hvd-scale", "build-horovod", "--dry-run")
         assert out.returncode == 0 and "cache key" in out.stdout, _tail(out.stdout)
     else:
-        out = fresh.run("hvd-scale", "check")
+        out = fresh.run("hvd-scale", "check", "--engine", "horovodrun")
         assert out.returncode == 1, _tail(out.stdout)
         assert "horovod is not importable" in out.stdout, _tail(out.stdout)
         assert "hvd-scale build-horovod" in out.stdout, "the hint names no build-horovod"
@@ -354,7 +424,8 @@ def test_build_horovod_or_a_found_horovod_then_check(fresh, installed):
         where = fresh.python_json("import horovod, json; print(json.dumps(horovod.__file__))")
         assert fresh.site_packages.resolve() in Path(where).resolve().parents, where
     # `hvd-scale check` (it imports TensorFlow: the slowest step) beside the adapter's import.
-    check = subprocess.Popen(["hvd-scale", "check"], cwd=fresh.cwd, env=fresh.env, text=True,
+    check = subprocess.Popen(["hvd-scale", "check", "--engine", "horovodrun"], cwd=fresh.cwd,
+                             env=fresh.env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL)
     try:
@@ -374,6 +445,147 @@ def test_build_horovod_or_a_found_horovod_then_check(fresh, installed):
     assert check.returncode == 0, _tail(output)
     assert "horovod[PyTorch]: built" in output, _tail(output)
     assert _horovod_files() == before, "this environment's Horovod was changed"
+
+
+# ---------------------------------------------------------------------------------------------
+# A DDP environment: what `pip install '.[torch]'` alone brings, no Horovod; then '.[torch,plot]'.
+# Its site-packages view holds the distributions the wheel's requirements (with the extras)
+# name, transitively, and pip: a module the package imports but does not declare is missing
+# here, as it would be in a user's new environment.
+
+DDP_EXTRAS = ("torch",)
+DDP_STEPS = 30  # examples/ddp_after.py's steps: enough timed steps for `hvd-scale advise`
+
+
+def _wheel_requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as z:
+        meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = email.parser.HeaderParser().parsestr(z.read(meta_name).decode())
+    return meta.get_all("Requires-Dist", [])
+
+
+def _closure(requirements: list[str], extras: tuple[str, ...]) -> list:
+    """The installed distributions that ``requirements`` (with ``extras``) need, transitively.
+    A requirement not installed here fails the test: pip would need an index for it."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: dict[str, object] = {}
+    todo = [(r, e) for r in requirements for e in ("", *extras)]
+    while todo:
+        text, extra = todo.pop()
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(req.name)
+        if name in found:
+            continue
+        try:
+            found[name] = dist = md.distribution(req.name)
+        except md.PackageNotFoundError:
+            pytest.fail(f"{req.name} (required: {text}) is not installed here")
+        todo += [(r, e) for r in dist.requires or [] for e in ("", *sorted(req.extras))]
+    return list(found.values())
+
+
+def _link_distributions(view: Path, dists) -> list[str]:
+    """Link each distribution's top-level entries (its RECORD's) into view; their names."""
+    linked = []
+    for dist in dists:
+        base = Path(dist.locate_file(""))
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in sorted(tops - {"__pycache__"}):
+            if not (view / top).exists() and (base / top).exists():
+                (view / top).symlink_to(base / top)
+                linked.append(top)
+    return linked
+
+
+@pytest.fixture(scope="module")
+def ddp_env(workdir, wheel) -> Fresh:
+    import importlib.metadata as md
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("pip") is None:
+        if _required():
+            pytest.fail(f"torch or pip is not importable from {sys.executable} (run `make setup`)")
+        pytest.skip("this environment has no torch or pip for a DDP environment")
+    env = Fresh(workdir / "ddp-env", None)
+    out = run([sys.executable, "-m", "venv", "--without-pip", env.root], hermetic_env(), workdir)
+    assert out.returncode == 0, _tail(out.stdout)
+    env.site_packages = Path(env.python_json(
+        "import json, sysconfig; print(json.dumps(sysconfig.get_path('purelib')))"))
+    env.view = workdir / "ddp-site-packages"
+    env.view.mkdir()
+    _link_distributions(env.view, [md.distribution("pip"),
+                                   *_closure(_wheel_requirements(wheel), DDP_EXTRAS)])
+    (env.site_packages / "ddp_environment.pth").write_text(f"{env.view}\n")
+    out = env.run(env.python, "-m", "pip", "install", "--no-index",
+                  f"{wheel}[{','.join(DDP_EXTRAS)}]")
+    assert out.returncode == 0, f"pip install failed:\n{_tail(out.stdout)}"
+    done = [line for line in out.stdout.splitlines() if line.startswith("Successfully installed")]
+    assert done == [f"Successfully installed hvd-scale-{VERSION}"], _tail(out.stdout)
+    return env
+
+
+def test_a_ddp_environment_has_no_horovod_and_check_says_torchrun_is_ready(ddp_env):
+    """`hvd-scale check` without Horovod: exit 0, torchrun ready, Horovod what it would add."""
+    out = ddp_env.run("hvd-scale", "check")
+    assert out.returncode == 0, _tail(out.stdout)
+    assert "torchrun engine: ready (torch.distributed" in out.stdout, _tail(out.stdout)
+    assert "horovod is not installed: DDP scripts run without it" in out.stdout, out.stdout
+    assert "hvd-scale build-horovod" in out.stdout, out.stdout
+    out = ddp_env.run("hvd-scale", "check", "--engine", "horovodrun")
+    assert out.returncode == 1 and "horovod is not importable" in out.stdout, _tail(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def ddp_log(ddp_env) -> Path:
+    """docs' DDP command in the DDP environment: `hvd-scale run --engine torchrun -np 2` of
+    examples/ddp_after.py (copied beside the venv), with a metrics log."""
+    script = ddp_env.cwd / "ddp_after.py"
+    shutil.copy2(REPO_ROOT / "examples" / "ddp_after.py", script)
+    log_dir = ddp_env.cwd / "ddp-log"
+    out = ddp_env.run("hvd-scale", "run", "--engine", "torchrun", "-np", "2", "--policy",
+                      "adascale", "--log-dir", log_dir, "--", "python", script, "--steps",
+                      DDP_STEPS)
+    assert out.returncode == 0, _tail(out.stdout)
+    assert f"adascale at S = 2: {DDP_STEPS} steps" in out.stdout, _tail(out.stdout)
+    return log_dir
+
+
+def test_the_torchrun_engine_runs_and_records_the_workers_on_the_host(ddp_env, ddp_log):
+    """The job runs (psutil, which the launcher uses to stop a job, is a requirement of
+    hvd-scale, not Horovod's alone), and run.json says the 2 workers shared the host
+    (torchrun's LOCAL_WORLD_SIZE), so advise does not take the log for an old one."""
+    info = json.loads((ddp_log / "run.json").read_text())
+    assert info["workers"] == 2 and info["workers_on_host"] == 2, info
+    out = ddp_env.run("hvd-scale", "advise", ddp_log)
+    assert out.returncode == 0, _tail(out.stdout)
+    assert "recorded workers_on_host" not in out.stdout, _tail(out.stdout)
+    assert "2 workers on" in out.stdout, _tail(out.stdout)
+
+
+def test_plot_without_its_extra_names_it_then_runs_with_it(ddp_env, ddp_log, wheel):
+    png = ddp_env.cwd / "ddp.png"
+    out = ddp_env.run("hvd-scale", "plot", ddp_log, "-o", png)
+    assert out.returncode == 2, _tail(out.stdout)
+    assert out.stdout.strip() == ("hvd-scale plot: matplotlib is not installed: "
+                                  "pip install 'hvd-scale[plot]'"), _tail(out.stdout)
+    out = ddp_env.run("hvd-scale", "advise", ddp_log, "--plot", png)
+    assert out.returncode == 2 and out.stdout.strip().endswith("'hvd-scale[plot]'"), out.stdout
+    # The plot extra, as a user installs it: what it names comes into the environment.
+    _link_distributions(ddp_env.view,
+                        _closure(_wheel_requirements(wheel), (*DDP_EXTRAS, "plot")))
+    out = ddp_env.run(ddp_env.python, "-m", "pip", "install", "--no-index",
+                      f"{wheel}[{','.join((*DDP_EXTRAS, 'plot'))}]")
+    assert out.returncode == 0, _tail(out.stdout)
+    out = ddp_env.run("hvd-scale", "plot", ddp_log, "-o", png)
+    assert out.returncode == 0, _tail(out.stdout)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = ddp_env.run("hvd-scale", "advise", ddp_log, "--plot", ddp_env.cwd / "eff.png")
+    assert out.returncode == 0 and (ddp_env.cwd / "eff.png").is_file(), _tail(out.stdout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,23 +615,48 @@ def _fake_horovod(monkeypatch, broken: set[str] = frozenset()):
 def test_check_counts_only_the_installed_frameworks(monkeypatch, capsys, installed_frameworks,
                                                      broken, code, says):
     """A torch-only environment (`pip install .` beside torch, Horovod built without TensorFlow)
-    passes `hvd-scale check`; a framework that is installed and whose Horovod library does not
-    load fails it, with the hint naming build-horovod."""
+    passes `hvd-scale check --engine horovodrun`; a framework that is installed and whose
+    Horovod library does not load fails it, with the hint naming build-horovod."""
     from hvd_scale.launch import cli
 
     _fake_horovod(monkeypatch, broken)
     monkeypatch.setattr(cli, "_importable", lambda module: module in installed_frameworks)
-    assert cli.main(["check"]) == code
+    assert cli.main(["check", "--engine", "horovodrun"]) == code
     out = capsys.readouterr().out
     assert says in out, out
+    assert ("horovodrun engine: ready" in out) == (code == 0), out
     if "NOT usable" in says:
         assert "hvd-scale build-horovod" in out, out
 
 
-def test_check_without_horovod_names_build_horovod(monkeypatch, capsys):
+@pytest.mark.parametrize("torch_ready, horovod, argv, code, says", [
+    # A DDP environment: torch.distributed, no Horovod. Horovod is what it would add, no error.
+    (True, False, ["check"], 0, "horovod is not installed: DDP scripts run without it"),
+    (True, False, ["check", "--engine", "torchrun"], 0, "torchrun engine: ready"),
+    (True, False, ["check", "--engine", "horovodrun"], 1, "horovod is not importable"),
+    (True, False, ["check", "--engine", "ray"], 1, "ray engine: NOT usable (needs Horovod"),
+    # Neither: nothing to run with.
+    (False, False, ["check"], 1, "no engine is usable here"),
+    # Horovod alone (a TensorFlow environment): usable, torchrun is not.
+    (False, True, ["check"], 0, "horovodrun engine: ready"),
+    (False, True, ["check", "--engine", "torchrun"], 1, "the torchrun engine is not usable here"),
+])
+def test_check_says_per_engine_what_is_ready(monkeypatch, capsys, torch_ready, horovod, argv,
+                                             code, says):
     from hvd_scale.launch import cli
 
-    monkeypatch.setitem(sys.modules, "horovod", None)
-    assert cli.main(["check"]) == 1
+    if horovod:
+        _fake_horovod(monkeypatch)
+        monkeypatch.setattr(cli, "_importable", lambda module: module == "tensorflow")
+    else:
+        monkeypatch.setitem(sys.modules, "horovod", None)
+    monkeypatch.setattr(cli, "_torch_distributed", lambda: (
+        (True, "torch.distributed 2: Gloo True") if torch_ready else
+        (False, "torch is not installed: pip install 'hvd-scale[torch]'")))
+    assert cli.main(argv) == code
     out = capsys.readouterr().out
-    assert "horovod is not importable" in out and "hvd-scale build-horovod" in out, out
+    assert says in out, out
+    if not horovod and "--engine" not in argv or argv[-1] == "horovodrun":
+        assert "hvd-scale build-horovod" in out, out  # what to do to get Horovod
+    if torch_ready and argv == ["check"]:
+        assert "torchrun engine: ready" in out and "horovodrun engine: NOT usable" in out, out
