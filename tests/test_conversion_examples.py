@@ -5,6 +5,7 @@ same steps at the same lr as the original (lr x hvd.size()), so their test losse
 default policy runs too."""
 
 import csv
+import json
 import math
 import re
 import sys
@@ -187,15 +188,80 @@ def test_the_ddp_pair():
     assert final_loss(ada.stdout) < 5  # finite, and trained from the same start
 
 
-def test_the_ddp_guide_shows_the_pairs_diff():
-    """docs/ddp.md quotes the DDP pair's diff (the site generates the Horovod pairs' only): it is
-    the files' diff as they are now."""
+@pytest.mark.parametrize("pair", ["ddp", "ddp_tutorial"])
+def test_the_ddp_guide_shows_the_pairs_diff(pair):
+    """docs/ddp.md quotes the DDP pairs' diffs (the site generates the Horovod pairs' only): each
+    is the files' diff as they are now."""
     import difflib
 
-    before, after = (EXAMPLES / f"ddp_{name}.py" for name in ("before", "after"))
+    before, after = (EXAMPLES / f"{pair}_{name}.py" for name in ("before", "after"))
     diff = difflib.unified_diff(before.read_text().splitlines(), after.read_text().splitlines(),
                                 f"examples/{before.name}", f"examples/{after.name}", lineterm="")
     page = (REPO_ROOT / "docs" / "ddp.md").read_text()
     assert "```diff\n" + "\n".join(diff) + "\n```" in page, \
-        "docs/ddp.md's diff is not examples/ddp_before.py against examples/ddp_after.py: " \
+        f"docs/ddp.md's diff is not examples/{before.name} against examples/{after.name}: " \
         "paste the new one"
+
+
+def snapshot_keys(path: Path) -> set[str]:
+    import torch
+
+    return set(torch.load(path, weights_only=True))
+
+
+@pytest.mark.timeout(300)
+def test_the_ddp_tutorial_pair(tmp_path):
+    """The shape most DDP scripts have, PyTorch's DDP tutorial series (multigpu_torchrun.py: a
+    Trainer class, the optimizer built before DDP, epochs, snapshots of the model alone), and its
+    conversion: the optimizer wrapped after DDP, a budget in baseline steps for the epochs, k
+    micro-batches a step under no_sync(), snapshots with the optimizer's state. Under torchrun
+    (2 ranks, k = 3, S = 6) the conversion stops at the budget (the epochs' worth of steps at one
+    worker: 64 baseline steps an epoch), marks each epoch's leftover step short (2 of its 3
+    passes: S = 4), says once that the tutorial's gradients are zero (its cross-entropy over one
+    output is exactly 0), and resumes from its snapshot at its tau, to the next budget."""
+    from hvd_scale.launch.plot import read_run
+    from hvdrun import run_torchrun
+
+    before, after = (EXAMPLES / f"ddp_tutorial_{name}.py" for name in ("before", "after"))
+    changed = changed_lines(before, after)
+    added = [line[1:].strip() for line in changed if line[0] == "+"]
+    for line in ("from hvd_scale.adapters.torch.ddp import DistributedOptimizer",
+                 "self.optimizer = DistributedOptimizer(optimizer, self.model, budget=budget,",
+                 "with self.model.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():",
+                 '"OPTIMIZER_STATE": self.optimizer.state_dict()}',
+                 'self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])',
+                 "while not self.optimizer.done():"):
+        assert line in added, (line, added)
+    assert len(changed) <= 60, changed  # what docs/ddp.md shows, and says it costs
+
+    snap = {name: tmp_path / f"{name}.pt" for name in ("before", "after")}
+    log_dir = tmp_path / "log"
+    policy = {"HVD_SCALE_POLICY": "adascale"}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.map(lambda run: run_torchrun(run[0], env=run[1], timeout=150), [
+            ([str(before), "2", "1", "--snapshot_path", str(snap["before"])], None),
+            ([str(after), "1", "1", "--passes", "3", "--snapshot_path", str(snap["after"])],
+             {**policy, "HVD_SCALE_LOG_DIR": str(log_dir)})])
+        plain, ada = list(first)
+    assert "hvd_scale" not in plain.stdout + plain.stderr
+    assert "[RANK0] Epoch 1 | Batchsize: 32 | Steps: 32" in plain.stdout
+    assert snapshot_keys(snap["before"]) == {"MODEL_STATE", "EPOCHS_RUN"}
+
+    assert "policy adascale at S = 6 (2 worker(s) x 3 pass(es))" in ada.stderr
+    assert "budget T = 64 baseline steps" in ada.stderr
+    assert "adascale at S = 6: 64 steps, tau 64.00, gain 1.000" in ada.stdout
+    assert ada.stderr.count("are all zero") == 1, ada.stderr[-3000:]  # rank 0's, once
+    assert snapshot_keys(snap["after"]) == {"MODEL_STATE", "EPOCHS_RUN", "OPTIMIZER_STATE"}
+    assert json.loads((log_dir / "run.json").read_text())["zero_gradients_at_step"] == 1
+    with open(log_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    short = [(r["step"], r["scale"], r["passes"]) for r in rows if float(r["short_step"])]
+    # 32 batches an epoch on each rank: 10 steps of 3 and a leftover of 2, epoch after epoch
+    assert short == [(f"{11.0 * e:.1f}", "4.0", "2.0") for e in range(1, 6)], short
+    assert {r["scale"] for r in rows if not float(r["short_step"])} == {"6.0"}
+    assert read_run(log_dir)[0] == "log (adascale, S=6, 5 short steps)"
+
+    resumed = run_torchrun([str(after), "2", "1", "--passes", "3", "--snapshot_path",
+                            str(snap["after"])], env=policy, timeout=150)
+    assert "Resuming training from snapshot at Epoch 6, tau 64" in resumed.stdout
+    assert "adascale at S = 6: 128 steps, tau 128.00, gain 1.000" in resumed.stdout
