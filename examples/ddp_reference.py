@@ -38,10 +38,11 @@ def weights(net) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
 
 
-def plain_run(policy, k: int, batches: list):
+def plain_run(policy, k: int, batches: list, clip: float | None = None):
     """The plain DDP loop over this rank's ``batches`` (torch.distributed is up), k passes a
     step, the first k - 1 under ``no_sync()``; the lr the SGD sees is recorded (a step pre-hook).
-    Returns the trained network and the per-step rows."""
+    ``clip``: the gradients' norm clipped there before each step (p.grad is then the mean of
+    the step's passes). Returns the trained network and the per-step rows."""
     from torch.nn.parallel import DistributedDataParallel
 
     from hvd_scale.adapters.torch.ddp import DistributedOptimizer
@@ -56,6 +57,8 @@ def plain_run(policy, k: int, batches: list):
         for i, (x, y) in enumerate(step):
             with model.no_sync() if i < len(step) - 1 else contextlib.nullcontext():
                 F.cross_entropy(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         record(opt, seen, rows)

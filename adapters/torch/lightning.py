@@ -1,12 +1,18 @@
-"""Lightning's DDP strategy with hvd_scale's DDP optimizer (``ddp.py``): automatic optimization,
-``accumulate_grad_batches`` and lr schedulers keep working (tests/test_ddp_integrations.py; saving
-and resuming through Lightning's checkpoints is not tested yet).
+"""Lightning's DDP strategy with hvd_scale's DDP optimizer (``ddp.py``), and a callback for what
+the torch loop does around it: automatic optimization, ``accumulate_grad_batches``, Lightning's
+checkpoints and resume keep working (tests/test_ddp_integrations.py).
 
-    from hvd_scale.adapters.torch.lightning import DDPStrategy
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(policy="adascale"),
-                      accumulate_grad_batches=4)
+    from hvd_scale.adapters.torch.lightning import DDPStrategy, ScalingCallback
+    from hvd_scale.schedules import StepDecay
+    trainer = Trainer(accelerator="cpu", devices=2, max_epochs=-1, accumulate_grad_batches=4,
+                      strategy=DDPStrategy(policy="adascale", optimizer_kwargs={"budget": 3000}),
+                      callbacks=[ScalingCallback(schedule=StepDecay(0.1, [2000]))])
     trainer.fit(module, loader)        # configure_optimizers returns a plain torch optimizer
     trainer.optimizers[0].gain         # hvd_scale's DistributedOptimizer: gain, progress, ...
+
+The strategy stops the Trainer once tau reaches the budget (``trainer.should_stop``, as
+``while not opt.done()``); ``ScalingCallback`` sets the baseline lr from a schedule at tau
+before each step and logs the policy's metrics to the Trainer's logger.
 
 What the strategy translates, and only that:
 
@@ -30,12 +36,21 @@ clip the sum of the passes, before hvd_scale makes it the mean), post-local SGD.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 
+from hvd_scale.metrics import check_names
+from hvd_scale.schedules import Schedule, lr_at
+
 from .ddp import DistributedOptimizer
+
+# What ScalingCallback logs to the Trainer's logger after each optimizer step, as
+# ``hvd_scale/<name>`` (the names and meanings: hvd_scale.metrics.METRICS).
+LOGGED_METRICS = ("gain", "progress", "scale", "noise_scale", "lr_factor", "lr", "short_step")
+check_names(LOGGED_METRICS)
 
 
 class LightningDistributedOptimizer(DistributedOptimizer):
@@ -102,3 +117,77 @@ class DDPStrategy(_LightningDDPStrategy):
             # Lightning's loss / accumulate_grad_batches, back to the micro-batch's mean loss
             closure_loss = closure_loss * module.trainer.accumulate_grad_batches
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
+        """Lightning's step, then the budget: once tau has reached it the Trainer stops (its
+        epoch loop ends at this step; checkpoints at the end of the epoch are saved as usual)."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        opt = self.optimizers[0] if self.optimizers else None
+        if isinstance(opt, DistributedOptimizer) and opt.policy.budget is not None and opt.done():
+            self.lightning_module.trainer.should_stop = True
+        return result
+
+
+def _hvd_optimizer(trainer) -> LightningDistributedOptimizer:
+    opt = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+    if not isinstance(opt, LightningDistributedOptimizer):
+        raise TypeError("hvd_scale's ScalingCallback needs the Trainer's strategy to be "
+                        "hvd_scale.adapters.torch.lightning.DDPStrategy (its one optimizer "
+                        f"hvd_scale's), got strategy {type(trainer.strategy).__name__}")
+    return opt
+
+
+class ScalingCallback(pl.Callback):
+    """What the torch loop does around hvd_scale's optimizer, for a Trainer with ``DDPStrategy``.
+
+    Args:
+        schedule: the baseline lr as a function of tau, written for one worker (a
+            ``hvd_scale.schedules`` schedule, a callable baseline step -> lr, or a float), or one
+            per parameter group; set in the optimizer's ``param_groups`` before each step at
+            ``lr_at(schedule, tau)``, which the policy then multiplies (and a resumed run
+            continues at its tau). None: the lr stays the module's (and its lr scheduler's,
+            which steps in Lightning's steps or epochs, not in tau). A schedule with a Lightning
+            lr scheduler as well is refused (the two would set the same lr).
+        log: after each optimizer step, ``LOGGED_METRICS`` (gain, tau, S, the noise scale, the
+            lr factor and lr applied, short_step) to the Trainer's logger as ``hvd_scale/<name>``
+            (``LightningModule.log``: at Lightning's ``log_every_n_steps``).
+    """
+
+    def __init__(self, schedule: Schedule | float | Sequence[Schedule | float] | None = None, *,
+                 log: bool = True):
+        self.schedule, self._log = schedule, log
+        self._logged_step = 0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        opt = _hvd_optimizer(trainer)
+        if self.schedule is None:
+            return
+        if trainer.lr_scheduler_configs:
+            raise ValueError("hvd_scale's ScalingCallback(schedule=...) sets the baseline lr at "
+                             "each step, and configure_optimizers returned an lr scheduler that "
+                             "sets it too: keep one of the two")
+        if isinstance(self.schedule, (list, tuple)) and len(self.schedule) != len(opt.param_groups):
+            raise ValueError(f"ScalingCallback: {len(self.schedule)} schedules for "
+                             f"{len(opt.param_groups)} parameter groups (give one, or one each)")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._logged_step = trainer.global_step  # a resumed fit's steps so far
+
+    def _set_lr(self, opt) -> None:
+        schedules = self.schedule if isinstance(self.schedule, (list, tuple)) else \
+            [self.schedule] * len(opt.param_groups)
+        for group, schedule in zip(opt.param_groups, schedules):
+            group["lr"] = lr_at(schedule, opt.progress)  # lr(floor(tau)), as the torch loop's
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.schedule is not None:
+            self._set_lr(_hvd_optimizer(trainer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self._log or trainer.global_step == self._logged_step:
+            return  # a pass under accumulation, not a step
+        self._logged_step = trainer.global_step
+        metrics = _hvd_optimizer(trainer).metrics()
+        # the same values on every rank (the statistics are allreduced): no sync
+        pl_module.log_dict({f"hvd_scale/{k}": float(metrics[k]) for k in LOGGED_METRICS},
+                           on_step=True, on_epoch=False, logger=True, prog_bar=False)
