@@ -1,8 +1,9 @@
 """The headline figures that README.md, docs/index.md and docs/benchmarks.md quote agree with the
-results files they come from (#48 item 9: three pages had three versions of B1 at S = 16).
+results files they come from (three pages once had three versions of B1 at S = 16).
 
-Each page must state each headline in the one form matched below (so that a reworded page is
-not skipped silently); each figure it quotes must round to what the results file holds, at the
+docs/index.md and docs/benchmarks.md state each headline in the one form matched below, README.md
+in its results table (a row per task and S); so that a reworded page is not skipped silently,
+each must be found. Each figure a page quotes must round to what the results file holds, at the
 page's own precision (96.55 may be quoted as 96.55, 96.6 or 96.5, never as 96.4).
 """
 
@@ -15,7 +16,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"
-PAGES = ("README.md", "docs/index.md", "docs/benchmarks.md")
+PAGES = ("docs/index.md", "docs/benchmarks.md")  # README.md: its table, below
 NUMBER = r"(\d+(?:\.\d+)?)"
 
 
@@ -51,7 +52,7 @@ def b4_truth() -> dict[str, float]:
     for s, cell in zip((1, 8, 32, 128), cells):
         m = re.match(rf"{NUMBER} ± [\d.]+<br>(\d+) steps \(x{NUMBER}\)", cell)
         assert m, f"bleu.md: unexpected cell for S = {s}: {cell!r}"
-        truth[f"bleu{s}"], truth[f"x{s}"] = float(m.group(1)), float(m.group(3))
+        truth[f"bleu{s}"], truth[f"steps{s}"], truth[f"x{s}"] = map(float, m.groups())
     return truth
 
 
@@ -91,3 +92,47 @@ def test_headline_figures_match_the_results_files(page, bench):
     wrong = [f"{name}: quoted {quoted}, the results file says {truth[name]:g}"
              for name, quoted in zip(names, found.groups()) if not agrees(quoted, truth[name])]
     assert not wrong, f"{page}'s {bench} headline disagrees with its results file: {wrong}"
+
+
+# README.md's results table: | task | S | AdaScale | S = 1 | steps (S = 1's) | results |, a task's
+# first row naming it (B1: ..., B4: ...), its other rows leaving the cell empty.
+README_ROWS = {  # bench: its truth, the S that must have a row, the results file it links
+    "B1": (b1_truth, (16, 64), "fair_fight.md", ("acc", "acc1", "steps")),
+    "B4": (b4_truth, (8, 32, 128), "bleu.md", ("bleu", "bleu1", "steps")),
+}
+ROW = re.compile(rf"^\| *(B\d)?[^|]*\| *(\d+) *\| *{NUMBER}%? *\| *{NUMBER}%? *\| *(\d+) "
+                 rf"\((\d+)\) *\| *\[[^]]*\]\(benchmarks/results/([\w.]+)\) *\|$")
+
+
+def readme_rows() -> dict[tuple[str, int], tuple[str, ...]]:
+    rows, bench = {}, None
+    for line in (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines():
+        m = ROW.match(line.strip())
+        if m:
+            bench = m.group(1) or bench
+            rows[(bench, int(m.group(2)))] = m.group(3, 4, 5, 6, 7)
+    return rows
+
+
+def test_readme_table_is_read():
+    rows = readme_rows()
+    assert rows, "README.md lost its results table (| task | S | AdaScale | S = 1 | steps ...)"
+    assert set(rows) >= {(b, s) for b, (_, scales, _, _) in README_ROWS.items() for s in scales}
+
+
+@pytest.mark.parametrize("bench", sorted(README_ROWS))
+def test_readme_table_matches_the_results_files(bench):
+    truth_of, scales, results, (quality, base, steps) = README_ROWS[bench]
+    truth, rows, wrong = truth_of(), readme_rows(), []
+    for s in scales:
+        q, q1, n, n1, linked = rows[(bench, s)]
+        for name, quoted in ((f"{quality}{s}", q), (base, q1), (f"{steps}{s}", n),
+                             (f"{steps}1" if bench == "B4" else None, n1)):
+            if name and not agrees(quoted, truth[name]):
+                wrong.append(f"S = {s}, {name}: quoted {quoted}, the results file says "
+                             f"{truth[name]:g}")
+        if bench == "B1" and n1 != "3000":
+            wrong.append(f"S = {s}: B1's S = 1 runs 3000 steps, quoted {n1}")
+        if linked != results:
+            wrong.append(f"S = {s}: links {linked}, its figures are in {results}")
+    assert not wrong, f"README.md's {bench} rows disagree with their results file: {wrong}"
