@@ -20,7 +20,7 @@ from hvd_scale.adapters import agreement
 from hvd_scale.adapters.adapt import ADAPT_EVERY, Adaptation, StepClock, check_passes
 from hvd_scale.adapters.log import MetricsLogger
 from hvd_scale.adapters.readout import Readout  # noqa: F401  (the adapters import it from here)
-from hvd_scale.estimate import resolve_samples
+from hvd_scale.estimate import check_samples, resolve_samples
 from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
 from hvd_scale.moments import EPS_CORRECTED
 from hvd_scale.policies import Policy
@@ -81,7 +81,9 @@ class Request:
         ``$HVD_SCALE_LOG_EVERY``: ``environment.log_every``).
     samples: what a step's statistics read (``hvd_scale.estimate.SAMPLES``): "passes" every
         micro-gradient, "workers" each worker's accumulated gradient once (reads flat in k),
-        "auto" workers from two workers on.
+        "auto" workers from two workers on. It follows the layout (``hvd_scale.run.reads``):
+        with one worker left (Horovod elastic) every pass, "workers" included; an explicit
+        "workers" at a fixed single worker is refused at set-up.
     samples_environment: ``$HVD_SCALE_SAMPLES`` (the adapter resolves it: ``environment.samples``),
         taken where ``samples`` is "auto".
     """
@@ -173,8 +175,11 @@ class Scaling:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {request.nonfinite!r}")
         scale = float(hvd.size() * passes) if request.scale is None else request.scale
         log_dir = request.log_dir
-        # Fixed for the optimizer's life (its hooks): "workers" or "passes".
-        self.samples = resolve_samples(request.samples, hvd.size(), request.samples_environment)
+        # The request is fixed (the set-up's); what a step reads follows W (``reads``). Where W
+        # cannot change, an explicit "workers" with one worker is refused here.
+        samples = check_samples(request.samples, request.samples_environment)
+        if not framework.elastic:
+            resolve_samples(samples, hvd.size())
 
         def measured(built: Policy) -> bool:
             # One micro-gradient at S = 1 (one process, k = 1, not elastic, k fixed) measures
@@ -199,13 +204,13 @@ class Scaling:
                 "backward_passes_per_step": passes, "lr": base_lrs,
                 "parameter groups": framework.groups, "measure": measured(built),
                 "nonfinite": request.nonfinite, "guard": guard_settings,
-                "samples": self.samples,
+                "samples": samples,
                 **adaptation.settings(), **(framework.agreed or {})})
         self.setup = runs.Setup(policy=built, groups=framework.groups, nonfinite=request.nonfinite,
                                 short_steps=framework.short_steps,
                                 eps_placement=framework.eps_placement,
                                 max_passes=adaptation.max_passes,
-                                min_passes=adaptation.min_passes)
+                                min_passes=adaptation.min_passes, samples=samples)
         # Decided alike on every rank (compared above): the statistics allreduce must run on all
         # of them or none.
         self.run = runs.start(self.setup, scale=float(scale), passes=passes, workers=hvd.size(),
@@ -232,6 +237,14 @@ class Scaling:
     passes = property(lambda self: self.run.passes, doc="k, backward passes per step")
     measure = property(lambda self: self.run.measure, doc="statistics are taken")
     last_lr = property(lambda self: self.run.last_lr, doc="the lr the latest step applied")
+
+    def reads(self, workers: int | None = None) -> str:
+        """"workers" or "passes": what a step's statistics read at W = ``workers`` (default the
+        world size now, which a resize may have changed before the record sees it at the next
+        step): ``hvd_scale.run.reads``."""
+        return runs.reads(self.setup, self.run, self.hvd.size() if workers is None else workers)
+
+    samples = property(reads, doc="what this step's statistics read at the world size now")
 
     @property
     def step_scale(self) -> float:

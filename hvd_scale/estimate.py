@@ -101,22 +101,38 @@ SAMPLES = ("auto", "workers", "passes")
 SAMPLES_ENV = "HVD_SCALE_SAMPLES"
 
 
-def resolve_samples(samples: Any, workers: int, environment: str | None = None) -> str:
-    """"workers" or "passes" for an adapter's ``samples=`` at W = ``workers``; ``environment``:
-    ``$HVD_SCALE_SAMPLES``, taken where ``samples`` is "auto"."""
+def check_samples(samples: Any, environment: str | None = None) -> str:
+    """The user's ``samples=`` request, one of ``SAMPLES``; ``environment``:
+    ``$HVD_SCALE_SAMPLES``, taken where ``samples`` is "auto". ValueError naming the source."""
     if samples == "auto" and environment:
-        where = f"${SAMPLES_ENV}={environment!r}"
-        samples = environment
+        where, samples = f"${SAMPLES_ENV}={environment!r}", environment
     else:
         where = f"samples={samples!r}"
     if samples not in SAMPLES:
         raise ValueError(f"{where}: must be one of {SAMPLES}")
-    if samples == "auto":
-        return "workers" if workers >= 2 else "passes"
-    if samples == "workers" and workers < 2:
-        raise ValueError(f"{where} reads one accumulated gradient per worker and needs at least "
-                         f"2 workers to see a variance, got {workers}: use 'passes' (or 'auto')")
     return samples
+
+
+def samples_read(request: str, workers: int) -> str:
+    """What a step's statistics read at W = ``workers`` for the request ``request``
+    (``check_samples``): "workers" from two workers on unless "passes" was asked; with one
+    worker every pass (its k >= 2 passes are the samples: one worker's sum has no variance),
+    "workers" included (the job shrank to one worker under Horovod elastic). It follows the
+    layout: a change of W switches it at the next step."""
+    return "passes" if request == "passes" or workers < 2 else "workers"
+
+
+def resolve_samples(samples: Any, workers: int, environment: str | None = None) -> str:
+    """"workers" or "passes" for an adapter's ``samples=`` at a fixed W = ``workers``
+    (``check_samples``, ``samples_read``): an explicit "workers" with one worker is refused (a
+    job that stays at one worker could never read it; under Horovod elastic, where W changes,
+    the adapters take ``samples_read`` instead)."""
+    request = check_samples(samples, environment)
+    if request == "workers" and workers < 2:
+        raise ValueError(f"samples={samples!r} reads one accumulated gradient per worker and "
+                         f"needs at least 2 workers to see a variance, got {workers}: use "
+                         "'passes' (or 'auto')")
+    return samples_read(request, workers)
 
 
 def check_smoothing(smoothing: Any) -> float | None:

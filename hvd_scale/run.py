@@ -5,7 +5,10 @@
                  S, k, the workers, whether statistics are taken, the skips in a row, the lr the
                  latest step applied; one dict form and one vector form, each with its version
     Setup        what no step changes: the policy (a rule and its options), the parameter groups,
-                 what a non-finite step does, whether short steps can happen, adapt's bounds
+                 what a non-finite step does, whether short steps can happen, adapt's bounds,
+                 what the statistics were asked to read (``samples=``)
+    reads        (setup, run) -> "workers" | "passes": what a step's statistics read at the
+                 record's layout (derived, never held: it follows W at every change)
     host_step    (setup, run, StepInputs) -> (run, plan, info): one optimizer step on the host
     relayout     (setup, run, passes=, workers=, scale=) -> run: a change of k or S
     restored     (setup, run, saved) -> run: a saved or broadcast record taken into this job
@@ -22,6 +25,19 @@ baseline units). A layout that cannot run is refused before anything is applied:
     S < 1                                     no policy is defined below the baseline batch
     the policy needs the variance, S > 1 and  statistics not taken, or n = W k = 1 micro-gradient
                                               a step (one micro-gradient has no variance)
+
+What the statistics read follows the layout (``reads``, ``hvd_scale.estimate.samples_read``):
+each worker's accumulated gradient once from two workers on (unless samples="passes" was asked),
+every pass with one worker, so a job that shrinks to one worker with k >= 2 passes keeps
+measuring (explicit samples="workers" included: with one worker its passes are the samples). A
+full step whose statistics hold one sample where the policy measures (an adapter reading per
+worker with one worker left) is refused: it would leave the gain at its last value silently.
+
+A short step (a leftover batch: n < W k micro-gradients counted) is accounted at its own S = u n
+(the lr factor and tau's advance of that S; with n = 1 the estimates so far give its gain). When
+u n < 1 (micro-batches smaller than the baseline, ``scale=`` below W k) that S is below the
+baseline batch, where no policy is defined: such a step is refused (ValueError, alike on every
+rank, nothing applied nor counted); drop the leftover batch or take at least 1 / u passes.
 
 The dict form (torch's ``state_dict``, broadcasts):
 
@@ -43,6 +59,7 @@ import numpy as np
 
 from .moments import EPS_CORRECTED, AdamStep, adam_step, moment_progress
 from .policies import Policy, StepInfo
+from .estimate import check_samples, samples_read
 from .reduce import unpack_step
 from .state import PROGRESS_INDEX as POLICY_PROGRESS_INDEX
 from .state import STEPS_INDEX as POLICY_STEPS_INDEX
@@ -164,10 +181,20 @@ class Setup:
     eps_placement: str = EPS_CORRECTED
     max_passes: int | None = None  # adapt="goodput": k in [min_passes, max_passes]
     min_passes: int = 1
+    samples: str = "auto"          # what the statistics were asked to read (``SAMPLES``)
 
     def __post_init__(self):
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
+        check_samples(self.samples)
+
+
+def reads(setup: Setup, run: "RunState", workers: int | None = None) -> str:
+    """"workers" or "passes": what a step's statistics read at ``run``'s layout (W =
+    ``workers`` where given: an adapter deciding before the record has seen a resize). Derived
+    from the request and W, never held, so every change of layout (elastic, a resume, a
+    broadcast) switches it. At k = 1 both read the same."""
+    return samples_read(setup.samples, run.workers if workers is None else int(workers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,8 +341,10 @@ def host_step(setup: Setup, run: RunState, inputs: StepInputs,
     every rank: the groups' lrs, Adam's history, a change of workers (elastic). A non-finite
     step (the framework's verdict, or statistics that are not finite) is skipped (factor 0;
     ``skipped``) or raises FloatingPointError. The micro-gradients counted (the statistics', or
-    ``count``) give the step's S: a full step S, a short one S x n / (W k) (the lr and tau of
-    its own S; with n = 1 the estimates so far give its gain); none or more than W k raise.
+    ``count``) give the step's S: a full step S, a short one u n = S x n / (W k) (the lr and
+    tau of its own S; with n = 1 the estimates so far give its gain); none or more than W k
+    raise, and so does a short step below the baseline batch (u n < 1) and a full step whose
+    statistics hold one sample where the policy measures (``reads``: the module's docstring).
     """
     policy = setup.policy
     user = np.asarray(inputs.user_settings, dtype=np.float64).reshape(setup.groups,
@@ -357,14 +386,36 @@ def host_step(setup: Setup, run: RunState, inputs: StepInputs,
     if n == expected:
         scale, required = run.scale, True
     elif setup.short_steps and 1 <= n < expected:
-        # Each micro-batch is worth u baseline batches: so is the step.
-        scale, required = max(1.0, run.unit * n), False
+        # Each micro-batch is worth u baseline batches: so is the step. Below one baseline batch
+        # no policy is defined (the lr factor and tau's advance of S < 1): refused, not rounded
+        # up to S = 1 (which would count 1 / (u n) times the data the step saw).
+        scale, required = run.unit * n, False
+        if scale < 1 - 1e-9:
+            raise ValueError(
+                f"hvd_scale: a short step of {n} backward pass(es) in all ({run.workers} "
+                f"workers x {run.passes} announced) at u = {run.unit:g} baseline batches per "
+                f"micro-batch (S = {run.scale:g}) is S = u n = {scale:g}, below the baseline "
+                "batch (S >= 1): no policy is defined there (the step was not applied nor "
+                "counted). Drop the leftover batch (DataLoader(drop_last=True)), or give each "
+                f"step at least {math.ceil(1 / run.unit - 1e-9)} backward passes in all")
+        scale = max(1.0, scale)  # rounding only
     else:  # e.g. a world size frozen in a traced graph
         raise RuntimeError(f"hvd_scale: the step's statistics count {n} micro-gradients, "
                            f"expected {run.workers} workers x {run.passes}")
+    if statistics is not None and n >= 2 and samples == 1 and required \
+            and policy.uses_statistics and scale > 1:
+        # A full step read once per worker with one worker: its passes were there to measure
+        # (``reads``), and dropping them would leave the gain at its last value for the rest of
+        # the run. An adapter that did not follow the layout; refused before anything counts.
+        raise RuntimeError(
+            f"hvd_scale: step {run.policy.steps + 1}'s statistics hold one sample ({n} "
+            f"micro-gradients from {run.workers} worker(s) x {run.passes} passes read as one "
+            f"sum), but at this layout they are read {reads(setup, run)!r}: policy "
+            f"{policy.name!r} at S = {run.scale:g} cannot measure a variance from one sample "
+            "(nothing was applied nor counted)")
     if statistics is not None and (n == 1 or samples == 1):
-        # One sample has no variance (one micro-gradient; per-worker statistics with one worker
-        # left, elastic): the estimates so far give the gain at the step's S.
+        # One sample has no variance (one micro-gradient; a short step where one worker took
+        # all its passes, read once): the estimates so far give the gain at the step's S.
         statistics, required = None, False
     try:
         record, info = policy.transition(run.policy, *(statistics or (None, None, None)),

@@ -9,8 +9,9 @@ its worker) is SIGKILLed: node a's worker fails on its next collective, its agen
 new rendezvous round of one node, and the restarted worker loads the checkpoint. Checked: the
 restart comes at world size 1 (S = 2 x 1 instead of 2 x 2); it starts from exactly the
 checkpoint's tau, step count and estimates (no jump, no reset); tau then grows by each step's
-gain; every step's lr factor is the policy's gain at that step's S from its estimates; the base lr
-stays; the job ends with exit code 0 after the steps it was given."""
+gain; every step's lr factor is the policy's gain at that step's S from its estimates; every
+step at one worker updates the estimates (its passes are read); the base lr stays; the job ends
+with exit code 0 after the steps it was given."""
 
 from __future__ import annotations
 
@@ -120,3 +121,7 @@ def test_a_lost_node_restarts_the_survivor_at_world_size_one_from_the_checkpoint
     for row in steps:  # every step's lr factor: adascale's gain at that step's S
         assert row["lr_factor"] == pytest.approx(_gain(row), rel=1e-9), row
     assert 1 < after[0]["gain"] < PASSES  # measured at S = 2 from the passes
+    # Every step at one worker measured (#58 item 1: what the statistics read follows the
+    # layout, per pass at one worker): the estimates move at each step after the restart.
+    sigma2 = [resumed["sigma2"]] + [row["sigma2"] for row in after]
+    assert all(a != b for a, b in zip(sigma2, sigma2[1:])), sigma2

@@ -20,7 +20,7 @@ TORCH, KERAS = "elastic_worker.py", "elastic_keras_worker.py"
 
 
 def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | None = None,
-                worker_args=(), worker=TORCH, env=None, min_np=2):
+                worker_args=(), worker=TORCH, env=None, min_np=2, kind="step"):
     tmp_path.mkdir(parents=True, exist_ok=True)
     hosts = tmp_path / "hosts"
     hosts.write_text(hosts_text or f"localhost:{start}\n")
@@ -38,7 +38,7 @@ def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | 
     finals = [r for r in results if r["kind"] == "final"]
     # Every step of the process that ends as rank 0 (it may have had another rank before).
     pid = next(f["pid"] for f in finals if f["rank"] == 0)
-    steps = sorted((r for r in results if r["kind"] == "step" and r["pid"] == pid),
+    steps = sorted((r for r in results if r["kind"] == kind and r["pid"] == pid),
                    key=lambda r: r["seq"])
     return steps, finals
 
@@ -115,6 +115,42 @@ def test_a_worker_leaves_after_the_passes_changed(tmp_path, worker):
     assert len(finals) == 2
     assert len({(f["progress"], f["steps"], f["checksum"], f["scale"]) for f in finals}) == 1, finals
     assert finals[0]["scale"] == 4.0 and finals[0]["progress"] >= BUDGET
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("start,end", [(2, 1), (1, 2)])
+def test_a_job_that_shrinks_to_one_worker_keeps_measuring(tmp_path, start, end):
+    """#58 item 1: adascale, k = 2, the default samples: with two workers each reads its sum of
+    the passes once; when the job shrank to one, that was one sample a step, no step was measured
+    again and the gain stayed at its last value (estimator updates stuck, tau at a stale gain
+    for 88% of the budget). At one worker the passes are read: every step updates the estimates,
+    at either size, and reading follows the world size when it grows back."""
+    steps, finals = run_elastic(tmp_path, start, end, worker_args=["--passes", "2"], min_np=1,
+                                kind="estimates")
+    sizes = [r["size"] for r in steps]
+    assert sizes[0] == start and sizes[-1] == end, sizes
+    assert sizes.count(1) >= 3, sizes  # steps taken at one worker
+    updates = [r["updates"] for r in steps]
+    # Every step measured: one update a step, across the resize.
+    assert all(b == a + 1 for a, b in zip(updates, updates[1:])), list(zip(sizes, updates))
+    assert len(finals) == end and finals[0]["scale"] == 2.0 * end
+    assert len({(f["progress"], f["steps"], f["checksum"]) for f in finals}) == 1, finals
+
+
+@pytest.mark.timeout(200)
+def test_keras_a_job_that_shrinks_to_one_worker_keeps_measuring(tmp_path):
+    """#58 item 1 in Keras's traced step: k = 2 from step 3 (set_passes), 2 -> 1 workers at step
+    6. What the statistics read is decided when the step runs (the world size then): at one
+    worker its passes. A step not measured would keep the gain at the estimates' last value;
+    measured, every step's gain is its own."""
+    steps, finals = run_elastic(tmp_path, 2, 1, worker=KERAS, worker_args=["--passes-at", "3"],
+                                min_np=1)
+    alone = [r for r in steps if r["size"] == 1]
+    assert len(alone) >= 3 and {r["passes"] for r in alone} == {2}, steps
+    assert all(r["scale"] == 2.0 for r in alone), alone
+    gains = [r["gain"] for r in alone]
+    assert len(set(gains)) == len(gains), gains  # each step measured, none at a frozen gain
+    assert len(finals) == 1 and finals[0]["progress"] >= BUDGET
 
 
 # Two host names for one machine: Horovod blacklists the host of a failed worker, so the worker

@@ -189,15 +189,108 @@ def test_per_worker_statistics_are_the_estimator_with_w_samples():
         as_passes.estimator.sigma2_biased[0] * 7)
 
 
-def test_one_worker_left_with_per_worker_statistics_takes_the_gain_from_the_estimates():
-    """Horovod elastic down to one worker under samples="workers": one sample has no variance;
-    the step is applied at its S with the gain from the estimates so far (not a crash)."""
+def test_what_the_statistics_read_follows_the_layout():
+    """#58 item 1: samples="auto" was resolved once, at set-up. What a step reads is derived from
+    the request and the record's W (``runs.reads``): per worker from two workers on, per pass
+    with one worker, switching at every change of W (elastic, a resume, a broadcast); an explicit
+    "workers" reads per pass with one worker left (its passes are the samples), "passes" always."""
+    auto = setup_for("adascale")
+    run = runs.start(auto, scale=4, passes=2, workers=2, measure=True)
+    assert runs.reads(auto, run) == "workers"
+    shrunk = runs.relayout(auto, run, workers=1)
+    assert runs.reads(auto, shrunk) == "passes"
+    assert runs.reads(auto, runs.relayout(auto, shrunk, workers=3)) == "workers"
+    assert runs.reads(auto, run, workers=1) == "passes"  # an adapter deciding before the step
+    workers = setup_for("adascale", samples="workers")
+    assert [runs.reads(workers, run, w) for w in (1, 2, 8)] == ["passes", "workers", "workers"]
+    passes = setup_for("adascale", samples="passes")
+    assert [runs.reads(passes, run, w) for w in (1, 2, 8)] == ["passes"] * 3
+    with pytest.raises(ValueError, match=r"samples='each': must be one of"):
+        setup_for("adascale", samples="each")
+
+
+def test_a_job_that_shrinks_to_one_worker_keeps_measuring_from_its_passes():
+    """#58 item 1: Horovod elastic, adascale, k = 2, 2 -> 1 workers: the steps at one worker were
+    read once per worker (one sample), dropped as unmeasurable, and the gain stayed at its last
+    value for the rest of the run. At one worker the passes are read (w = n = k): the estimates
+    go on updating; a full step read as one sample where the policy measures is refused."""
     setup = setup_for("adascale")
-    run = runs.start(setup, scale=8, passes=4, workers=2, measure=True)
-    for _ in range(5):
-        run, _, _ = runs.host_step(setup, run, StepInputs([8 * 1.5, 8.0, 2.0, 1.0], True, user()))
-    estimates = run.policy.estimator
-    run, _, info = runs.host_step(setup, run, StepInputs([4 * 1.5, 4.0, 1.0, 1.0], True, user(),
+    run = runs.start(setup, scale=4, passes=2, workers=2, measure=True)
+    for i in range(4):  # two workers, read once each: w = 2
+        run, _, _ = runs.host_step(setup, run, StepInputs([4 * (1.2 + 0.1 * i), 4.0, 2.0, 1.0],
+                                                          True, user()))
+    assert run.policy.estimator.updates == 4
+    # The job shrinks: the adapter reads the step's two passes (w = 2 = n), as ``reads`` says.
+    before = run
+    run, _, info = runs.host_step(setup, run, StepInputs([2 * 1.5, 2.0, 2.0, 1.0], True, user(),
                                                          workers=1))
-    assert run.policy.estimator == estimates and run.scale == 4.0
-    assert info.gain == pytest.approx(make_policy("adascale").gain(run.policy, 4)) and info.gain > 1
+    assert (run.workers, run.scale, runs.reads(setup, run)) == (1, 2.0, "passes")
+    assert run.policy.estimator.updates == 5 and run.policy.estimator != before.policy.estimator
+    policy = make_policy("adascale")
+    expected, _ = policy.transition(before.policy, [3.0], [1.0], 2, scale=2.0, samples=2)
+    assert run.policy == expected
+    # One sum read for the one worker left: one sample of two passes has no variance. It was
+    # dropped and the gain frozen; now refused before anything counts.
+    with pytest.raises(RuntimeError, match=r"statistics hold one sample \(2 micro-gradients from "
+                                           r"1 worker\(s\) x 2 passes.*read 'passes'"):
+        runs.host_step(setup, run, StepInputs([2 * 1.5, 2.0, 1.0, 1.0], True, user()))
+    # A fixed rule that measures only for the metrics is not refused (nothing depends on it).
+    linear = setup_for("linear")
+    one = runs.start(linear, scale=2, passes=2, workers=1, measure=True)
+    one, _, info = runs.host_step(linear, one, StepInputs([3.0, 2.0, 1.0, 1.0], True, user()))
+    assert info.lr_factor == 2.0
+    # Growing back to two workers: read per worker again (w = W = 2).
+    run, _, _ = runs.host_step(setup, run, StepInputs([4 * 1.3, 4.0, 2.0, 1.0], True, user(),
+                                                      workers=2))
+    assert (run.scale, runs.reads(setup, run), run.policy.estimator.updates) == (4.0, "workers", 6)
+
+
+@pytest.mark.parametrize("spec", ["linear", "adascale"])
+def test_a_short_step_below_the_baseline_batch_is_refused_not_counted_as_one(spec):
+    """#58 item 5: k = 4, scale=2 (u = 0.5 baseline batches per micro-batch): a 1-pass step was
+    accounted as S = max(1, u n) = 1, tau + 1 for half a baseline batch and linear's factor 1
+    where its rule gives 0.5. S = u n < 1 has no policy: refused before anything is applied or
+    counted; u n >= 1 is accounted at its own S."""
+    setup = setup_for(spec, short_steps=True)
+    measure = spec == "adascale"
+    run = runs.start(setup, scale=2, passes=4, workers=1, measure=measure)
+
+    def inputs(n, **kw):
+        statistics = [n * 1.5, float(n), float(n), 1.0] if measure else None
+        return StepInputs(statistics, True, user(), count=None if measure else n, **kw)
+    run, _, _ = runs.host_step(setup, run, inputs(4))
+    with pytest.raises(ValueError, match=r"a short step of 1 backward pass\(es\) in all \(1 "
+                                         r"workers x 4 announced\) at u = 0\.5 baseline batches.*"
+                                         r"S = u n = 0\.5, below the baseline batch.*drop_last=True"
+                                         r".*at least 2 backward passes"):
+        runs.host_step(setup, run, inputs(1))
+    tau = run.policy.progress
+    two, _, info = runs.host_step(setup, run, inputs(2))  # one baseline batch: S = 1
+    assert (info.scale, info.lr_factor, two.policy.progress) == (1.0, 1.0, tau + 1.0)
+    three, _, info = runs.host_step(setup, run, inputs(3))  # S = 1.5, its own factor and tau
+    assert info.scale == 1.5 and three.policy.progress == pytest.approx(tau + info.lr_factor)
+    if spec == "linear":
+        assert info.lr_factor == 1.5
+
+
+# -- a skip that the adapter never sees: AMP's GradScaler ------------------------------------------
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_a_grad_scaler_skip_is_counted_at_the_step_it_skipped(engine):
+    """#58 item 7: a step the GradScaler skips (an overflow) never reaches opt.step(); it was
+    counted at the next synchronizing pass, so a run ending on a skipped step never counted it.
+    Counted right after scaler.step, once (not again at the next pass), tau untouched."""
+    import subprocess
+    import sys
+
+    from hvdrun import WORKERS_DIR, free_port, worker_env, worker_results
+    if engine == "horovod":
+        pytest.importorskip("horovod.torch")
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "scaler_skip_worker.py"), "--engine",
+                           engine, "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=150, env=worker_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = worker_results(proc.stdout)[0]["rows"]
+    assert [(r["steps"], r["skipped"]) for r in rows] == [(1, 0), (1, 1), (2, 1)], rows
+    assert rows[1]["progress"] == rows[0]["progress"] < rows[2]["progress"]

@@ -23,7 +23,9 @@ class ElasticState(ObjectState):
     slots, ``iterations`` and ``hvd_scale_state``: steps, tau and the gain estimates) to host
     memory; after a failure ``restore()`` puts them back, and after a resize ``sync()``
     broadcasts them from rank 0 (how a joining worker gets tau and the weights). S follows the
-    new world size at the next step (``hvd_scale.run.relayout``, in the host step).
+    new world size at the next step (``hvd_scale.run.relayout``, in the host step), and so does
+    what the statistics read (each worker's sum from two workers on, every ``apply`` at one:
+    the traced step reads the world size when it runs, ``DistributedOptimizer._reads_passes``).
     """
 
     def __init__(self, model, optimizer: DistributedOptimizer | None = None, **kwargs):

@@ -273,8 +273,10 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
         for acc, g in zip(accumulators, grads):
             acc.assign_add(ops.cast(g, acc.dtype))
-        per_pass = self.scaling.measure and self.scaling.samples == "passes"
-        if per_pass:
+        per_pass = self._reads_passes()
+        if per_pass is not False or self._reads_follow_world_size():
+            # Under elastic every pass's norm whatever W is: a shrink between passes leaves the
+            # step all of them to read.
             self._local_sqnorm.assign_add(self._sqnorm_of(grads, variables))
         self._micro_steps.assign_add(1)
 
@@ -282,10 +284,13 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             summed = [ops.convert_to_tensor(acc.value) for acc in accumulators]
             count = ops.cast(self._micro_steps.value, "float64")
             local = None
-            if per_pass:
+            if per_pass is True:
                 local = ops.convert_to_tensor(self._local_sqnorm.value)
             elif self.scaling.measure:  # the sum G of the passes, read once: |G|^2 / c
                 local = ops.cast(self._sqnorm_of(summed, variables), "float64") / count
+                if per_pass is not False:  # elastic: one worker left reads its passes
+                    local = ops.where(per_pass, ops.convert_to_tensor(self._local_sqnorm.value),
+                                      local)
             self._step(summed, variables, local, count)
             for acc in accumulators:
                 acc.assign(ops.zeros_like(acc.value))
@@ -293,6 +298,22 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             self._micro_steps.assign(0)
 
         ops.cond(self._micro_steps.value >= self._passes_now(), step, lambda: None)
+
+    def _reads_follow_world_size(self) -> bool:
+        """What the statistics read is decided when the step runs (Horovod elastic: W changes
+        under a traced step), unless every pass is read anyway."""
+        return self.scaling.measure and self.scaling.framework.elastic \
+            and self.scaling.setup.samples != "passes"
+
+    def _reads_passes(self):
+        """This step's statistics read every apply's gradient (else each worker's sum once):
+        ``hvd_scale.run.reads``, a Python bool where W is fixed, under Horovod elastic the
+        world size when the step runs (a boolean tensor in a traced step)."""
+        if not self.scaling.measure:
+            return False
+        if self._reads_follow_world_size():
+            return self._backend.world_size() < 2
+        return self.scaling.reads() == "passes"
 
     def _passes_now(self):
         """k for the step being traced: the record's with adapt (it changes between steps)."""
@@ -386,7 +407,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         if measure:
             float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
             count = ops.cast(count, "float64")
-            samples = ops.ones_like(count) if self.scaling.samples == "workers" else count
+            per_pass = self._reads_passes() if self._accumulating else True  # k = 1: alike
+            samples = count if per_pass is True else ops.ones_like(count) if per_pass is False \
+                else ops.where(per_pass, count, ops.ones_like(count))
             local = ops.stack([ops.cast(local_sqnorm, "float64"), count, samples])
             # Three copies of the sum (hvd_scale.reduce: the wire), then [c, w].
             tensors.append(ops.cast(ops.concatenate([*wire_copies(local[:1]), local[1:]]),

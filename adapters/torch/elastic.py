@@ -10,8 +10,11 @@ from .horovod import DistributedOptimizer
 def _elastic_handler():
     """A ``hvd.elastic.TorchState`` handler for this optimizer, registered ahead of Horovod's own
     (whose broadcast expects a flat torch state_dict): commit/restore the nested state, and on a
-    sync broadcast it from rank 0 (the run's record, k included). S follows the new world size at the next step (see
-    ``Scaling.follow_world_size``), also after a reset that skips the sync (workers only removed)."""
+    sync broadcast it from rank 0 (the run's record, k included). S follows the new world size
+    at the next step (``hvd_scale.run.host_step``: ``relayout``), also after a reset that skips
+    the sync (workers only removed), and so does what the statistics read (each worker's sum
+    from two workers on, every pass at one: decided at each step's first gradient,
+    ``Statistics._per_pass``)."""
     from horovod.torch.elastic import state as elastic_state
 
     class ScaledOptimizerStateHandler(elastic_state.OptimizerStateHandler):

@@ -146,10 +146,16 @@ class DistributedOptimizer(TorchOptimizer):
         # before it is added into p.grad. Horovod hooks the parameters only where it allreduces
         # (not in a one-process job that is not elastic): there the tensor hooks count the pass.
         # (adapt: k may change, so per-pass statistics take the tensor hooks for every k.)
+        # (Under elastic per worker wherever it was not refused: the world size may grow.)
+        per_worker = self.scaling.setup.samples != "passes" if environment.elastic() else \
+            self.scaling.reads() == "workers"
         self._bucketed = (self._measure and (backward_passes_per_step == 1 and adapt is None
-                                             or self.scaling.samples == "workers")
+                                             or per_worker)
                           and horovod_options.get("groups") is None
                           and bool(self._hvd_opt._requires_update))
+        # Horovod elastic: W changes in the process; a step at one worker with k >= 2 reads
+        # every pass (``Statistics._per_pass``), by a norm hook on every parameter.
+        self._switching = self._bucketed and environment.elastic()
         self._sending_rest = False  # Horovod's synchronize() sends what backward did not produce
         # One process that is not elastic: Horovod allreduces no gradient, and the statistics
         # are their own sum (through Horovod they would wait a cycle of its thread every step).
@@ -160,7 +166,9 @@ class DistributedOptimizer(TorchOptimizer):
             self._hvd_opt._allreduce_grad_async = self._send_in_buckets  # Horovod's hook calls it
             self._all_gradients = self._trained  # Horovod's hook sends each once a step
             if backward_passes_per_step > 1 or adapt is not None:
-                kind = "count"  # on a few parameters: each pass's start, for the step clock
+                # a count on a few parameters (each pass's start, for the step clock); under
+                # elastic a norm hook on every one, which also counts
+                kind = "norms" if self._switching else "count"
         elif self._measure:
             kind = "norms"
         elif self._hvd_opt._requires_update:
@@ -169,7 +177,7 @@ class DistributedOptimizer(TorchOptimizer):
             self._hvd_opt._allreduce_grad_async = self._send_counting
         elif not self._alone or adapt is not None or backward_passes_per_step > 1:
             kind = "count"  # one process, no Horovod hooks: a hook per parameter counts the passes
-        self._hook_parameters(kind, few=self._bucketed)
+        self._hook_parameters(kind, few=self._bucketed and not self._switching)
 
     # -- the Horovod protocol -------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -186,7 +194,7 @@ class DistributedOptimizer(TorchOptimizer):
         handle, step.stats_handle = step.stats_handle, None
         if self._measure and handle is None:
             # Fewer gradients than every parameter x k passes: send the statistics now.
-            if self._bucketed and self.backward_passes_per_step > 1:
+            if self._bucketed and self.backward_passes_per_step > 1 and not self._per_pass():
                 self._take_norms(self._unsent())  # a short step's sums: read once, as here
             handle = self.start_statistics()
         counting = not self._measure and (self._hooked or self._hvd_opt._requires_update)
@@ -299,8 +307,10 @@ class DistributedOptimizer(TorchOptimizer):
     def _send_in_buckets(self, p: torch.Tensor):
         """Horovod's hook hands over each gradient of the step (k = 1) to be sent; it goes out
         with its bucket, after the bucket's norms. Returns what Horovod's hook records for p."""
-        if self._sending_rest:
-            return self._send(p)  # no gradient this step: Horovod sends zeros, nothing to measure
+        if self._sending_rest or self._per_pass():
+            # No gradient this step (Horovod sends zeros, nothing to measure), or the norm
+            # hooks read every pass of this step.
+            return self._send(p)
         step = self._step
         step.bucket.append(p)
         step.bucket_elements += p.grad.numel()

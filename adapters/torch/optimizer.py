@@ -99,6 +99,7 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
         self.param_groups = inner.param_groups
         self.state = inner.state
         self._measure = self.scaling.measure  # fixed for the optimizer's life (its hooks)
+        self._count_scaler_skips(self._grad_scaler)  # a step the scaler skips: counted there
         float64 = any(p.dtype == torch.float64 for p in self._params())
         self._stats_dtype = torch.float64 if float64 else torch.float32  # on the wire
         # Parameters the engine and the hooks know: a later unfreezing is refused at the next step.
@@ -182,11 +183,13 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
         if self._step.fired_total or any(self._step.fired) or self._in_step():
             raise RuntimeError("set_passes() between backward passes of a step: call it after "
                                "step() and before the next step's first backward pass")
-        if k > 1 and self._bucketed and self.scaling.samples == "passes":
+        if k > 1 and self._bucketed and not self._switching and self.scaling.reads() == "passes":
             raise ValueError(f"set_passes({k}): this optimizer was built for one pass per step "
                              "with its norms taken in the engine's buckets; build it with "
                              "backward_passes_per_step > 1 or adapt='goodput' to change k")
         self.scaling.set_passes(k)  # the run's record at the new k: refused there, if it cannot
+        if self._switching and not self._hooked:
+            self._hook_parameters("norms")  # per pass where one worker is left (``_per_pass``)
         if not (self._hooked or self._counted_by_engine()) and (self._bucketed or not self._measure):
             # Built at k = 1 with nothing counting (unmeasured, or norms read once per worker in
             # the buckets): from now on a pass is not a step, and the passes are counted.

@@ -89,6 +89,9 @@ class _StepState:
     count: int | None = None  # unmeasured: the step's micro-gradients, after synchronize
     synchronized: bool = False  # synchronize() ran for this step
     sent: int = 0  # unmeasured, with Horovod's hooks: gradients handed to Horovod this step
+    # this step reads every pass (``Statistics._per_pass``); None: undecided (until the step's
+    # first gradient; its gradients may still be sent after the statistics went out)
+    per_pass: bool | None = None
 
     def counted(self) -> None:
         """The norms and counts went into the statistics: the next pass starts from zero."""
@@ -101,6 +104,26 @@ class _StepState:
 class Statistics:
     """The statistics' half of ``TorchOptimizer`` (its attributes: ``_step``, ``param_groups``,
     ``scaling``, ``_averaged``, ...; the engine's ``_allreduce_async`` and ``_wait_sum``)."""
+
+    # The engine's norms are read in its buckets (each worker's sum once) and, where W changes
+    # in the process (Horovod elastic), every parameter carries a norm hook too: a step at one
+    # worker with k >= 2 reads every pass there instead (``_per_pass``), as the layout asks.
+    _switching = False
+
+    def _per_pass(self) -> bool:
+        """Whether this step reads every pass's gradient (the norm hooks) rather than each
+        worker's sum once (the engine's buckets): decided at the step's first gradient from the
+        world size and k then (``Scaling.reads``), and kept for the step. Without norm hooks
+        that can switch, what the hooks were built for (per pass unless bucketed)."""
+        step = self._step
+        if step.per_pass is None:
+            if self._switching:
+                k = self.backward_passes_per_step
+                step.per_pass = k > 1 and self.scaling.reads() == "passes"
+                self._all_gradients = self._trained * (k if step.per_pass else 1)
+            else:
+                step.per_pass = not self._bucketed
+        return step.per_pass
 
     # A backward pass is counted by the parameters' own gradients, not by autograd's end-of-
     # backward callback: under reentrant activation checkpointing that callback belongs to the
@@ -134,6 +157,9 @@ class Statistics:
 
         def hook(grad: torch.Tensor) -> None:
             if self._hooks_paused:
+                return
+            if self._switching and not self._per_pass():  # read once per worker, in the buckets
+                self._count_gradient(index)
                 return
             # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
             g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
@@ -270,6 +296,7 @@ class Statistics:
             self._to_mean_gradient(summed[len(self.param_groups)])
             # [s..., c, w, q...] (hvd_scale.reduce's step layout), on the gradients' device.
             step.pending = torch.cat([summed, self.mean_sqnorms(summed[len(self.param_groups)])])
+        step.per_pass = None  # the next step decides at its first gradient (W may change)
 
     def _summed(self, handle) -> torch.Tensor:
         """[s..., c, w] summed over workers, float64, from ``start_statistics``'s handle."""
@@ -304,15 +331,16 @@ class Statistics:
     def local_statistics(self) -> torch.Tensor:
         """[s_0, ..., s_{G-1}, c, w] for this worker (the engine's layout), float64: squares of
         the float64 norms, which no finite gradient overflows. c is the passes this worker
-        actually took (a short step takes fewer than k). samples="passes": each pass's |g|^2,
-        w = c; "workers": the one read of the sum G of its c passes, |G|^2 / c, w = 1."""
+        actually took (a short step takes fewer than k). Read per pass (``_per_pass``): each
+        pass's |g|^2, w = c; per worker: the one read of the sum G of its c passes, |G|^2 / c,
+        w = 1."""
         device, step = self._device, self._step
         sums = [_vector(group_norms).square().sum() if group_norms
                 else torch.zeros((), dtype=torch.float64, device=device)
                 for group_norms in step.norms]
         passes = self._passes_taken()
         samples = passes
-        if self.scaling.samples == "workers" and passes:
+        if passes and not self._per_pass():
             sums, samples = [s / passes for s in sums], 1
         counts = torch.tensor([float(passes), float(samples)], dtype=torch.float64, device=device)
         step.counted()
@@ -322,12 +350,13 @@ class Statistics:
         """This worker's passes this step: with the norms taken in the engine's buckets, one
         if a gradient was sent (k = 1) or the engine's own count (Horovod's accumulation
         counters, ``_engine_passes``); else the tensor hooks' (the largest count over the
-        hooked parameters)."""
+        hooked parameters, every one where this step reads per pass)."""
         step = self._step
-        if self._bucketed and self.backward_passes_per_step == 1:
-            return min(1, step.fired_total)
-        if self._bucketed and self._counted_by_engine():
-            return self._engine_passes()
+        if self._bucketed and not self._per_pass():
+            if self.backward_passes_per_step == 1:
+                return min(1, step.fired_total)
+            if self._counted_by_engine():
+                return self._engine_passes()
         return max(step.fired, default=0)
 
     def mean_sqnorms(self, count: torch.Tensor | None = None) -> torch.Tensor:
@@ -369,3 +398,32 @@ class Statistics:
 
     def _grads_finite(self) -> bool:
         return all_finite(self._grads())
+
+    def _count_scaler_skips(self, scaler) -> None:
+        """A GradScaler that skips this optimizer's step (an overflow: its ``step`` never calls
+        ours) has that step counted skipped right there, not at the next synchronizing pass (a
+        run ending on a skipped step would never count it): this scaler's ``step`` is wrapped
+        (on the instance; a scaler shared by several optimizers wraps once for each)."""
+        inner = getattr(scaler, "step", None)
+        if not callable(inner):
+            return
+
+        def step(optimizer, *args, **kwargs):
+            record = self.scaling.run.policy
+            result = inner(optimizer, *args, **kwargs)
+            if optimizer is self and self.scaling.run.policy is record:  # ours never ran
+                self._skipped_by_scaler()
+            return result
+        scaler.step = step
+
+    def _skipped_by_scaler(self) -> None:
+        """The step the scaler skipped: its gathered statistics dropped, counted skipped."""
+        step = self._step
+        if self.engine == "ddp":  # the statistics went out with the last bucket, in backward
+            handle, step.stats_handle = step.stats_handle, None
+            self._drop(handle)
+        elif step.synchronized:  # Horovod: synchronize() ran (the scaler's unscale_ needs it)
+            step.synchronized, step.pending, step.count = False, None, None
+        else:  # the scaler read the gradients before Horovod averaged them: not ours to count
+            return
+        self.scaling.skip()

@@ -9,7 +9,7 @@ Each rank reports every step it takes (RESULT lines tagged "step") and a final s
 import horovod.torch as hvd
 import torch
 
-from _elastic import after_step, emit_final, parser
+from _elastic import after_step, emit, emit_final, parser
 from hvd_scale.adapters.torch import DistributedOptimizer
 
 
@@ -22,6 +22,7 @@ def main():
     p.add_argument("--adam", action="store_true", help="Adam with adascale_adam")
     p.add_argument("--passes-at", type=int, default=None,
                    help="with adapt='goodput': every rank sets 2 passes per step at this step")
+    p.add_argument("--passes", type=int, default=1, help="k, backward passes per step")
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
@@ -33,7 +34,7 @@ def main():
         {"adapt": "goodput", "max_passes": 2, "adapt_every": 10_000}  # k changed by hand below
     opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                policy="adascale_adam" if args.adam else args.policy,
-                               budget=args.budget, **adapt)
+                               backward_passes_per_step=args.passes, budget=args.budget, **adapt)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, resized=False)
 
     @hvd.elastic.run
@@ -47,6 +48,9 @@ def main():
             for _ in range(opt.backward_passes_per_step):  # 2 after --passes-at
                 torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+            # The estimator's updates: a step whose statistics were measured adds one.
+            emit(hvd, kind="estimates", step=opt.steps, size=hvd.size(),
+                 updates=opt.run_state.policy.estimator.updates)
             if args.passes_at is not None and opt.steps == args.passes_at:
                 opt.set_passes(2)
             after_step(hvd, args, state, opt)
