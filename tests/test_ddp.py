@@ -3,8 +3,9 @@ seeds and micro-batches under ``horovodrun -np 2``, ``torchrun --nproc-per-node 
 process (the engine's own functions over the same micro-gradients) give the same per-step gain,
 lr factor, tau, sigma2, mu2 and weights, for every policy at k = 1 and 4 (at k = 4 with the
 statistics read once per worker, the default at two workers, and adascale's with every pass
-read: ``samples="passes"``); a checkpoint saved
-under one engine resumes under the other (tests/workers/engines_worker.py).
+read: ``samples="passes"``); gradient clipping before the step sees the mean micro-gradient
+under both; a checkpoint saved under one engine resumes under the other
+(tests/workers/engines_worker.py).
 
 Tolerance: the model is float64 and every path sums the same numbers in another order, so
 relative 1e-9 (a difference of convention, of n or S or of the loss's scaling over k, shows at
@@ -76,13 +77,44 @@ def test_every_policy_the_same_under_horovod_ddp_and_one_process(engines):
     assert 1 < min(gains[2:]) and max(gains) <= 8  # measured, not the bounds
     adam = [row["gain"] for row in ddp["adascale_adam/k=4"][0]["rows"]]
     assert max(adam) > 1.05, adam  # adascale_adam measured its gain in the runs compared
-    assert len(reference) == 17
+    assert len(reference) == 18
     # Two workers at k = 4: each worker's sum read once (2 samples) is another estimate than
     # every pass read (8), from the same gradients: the option reached both engines.
     for engine in (horovod, ddp):
         workers, passes = engine["adascale/k=4"][0]["rows"], engine["adascale/k=4/passes"][0]["rows"]
         assert all(a["sigma2"] != pytest.approx(b["sigma2"], rel=1e-3)
                    for a, b in zip(workers, passes)), (workers, passes)
+
+
+CLIPPED = ("clip synchronize", "clip scaler")
+
+
+@requires_horovod
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("run", [*CLIPPED, "clip unsynchronized", "clip scaler unsynchronized"])
+def test_clipping_sees_the_mean_under_both_engines(engines, run):
+    """clip_grad_norm_ between the last backward pass and step() at k = 2 (adascale): the
+    documented idioms (``opt.synchronize()`` first; with a GradScaler ``synchronize``,
+    ``unscale_``, clip, ``scaler.step``), and under DDP PyTorch's own without ``synchronize()``,
+    see the mean micro-gradient's norm and give the same weights under DDP and Horovod and the
+    one-process reference (the mean clipped). DDP's p.grad held k times the mean there once:
+    norms 2x, a clipped step 1/k. The statistics are those of the gradients before clipping."""
+    ddp, reference = engines["ddp"], engines["reference"]["clip"][0]
+    norms = [row["clip_norm"] for row in reference["rows"]]
+    clip = 0.5  # engines_worker.CLIP_NORM: some steps clip, some do not; at 2x every one would
+    assert min(norms) < clip < max(norms) and 2 * min(norms) > clip, norms
+    for rank in (0, 1):
+        got = ddp[run][rank]
+        assert got["scale"] == 4
+        _same(got, reference, f"{run} rank {rank}: DDP vs the one-process reference")
+        np.testing.assert_allclose([row["clip_norm"] for row in got["rows"]], norms, rtol=RTOL,
+                                   err_msg=f"{run}: the norm clip_grad_norm_ saw under DDP")
+        if run in CLIPPED:
+            hvd = engines["horovod"][run][rank]
+            _same(got, hvd, f"{run} rank {rank}: DDP vs Horovod")
+            np.testing.assert_allclose([row["clip_norm"] for row in hvd["rows"]], norms,
+                                       rtol=RTOL, err_msg=f"{run}: the norm under Horovod")
+    assert ddp[run][0]["rows"] == ddp[run][1]["rows"]
 
 
 @requires_horovod

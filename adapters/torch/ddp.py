@@ -25,8 +25,11 @@ How the statistics ride DDP's communication (one communication hook, ``register_
   |g_bar|^2 of the averaged bucket is taken in its future's callback, before anything (a
   GradScaler's ``unscale_``) touches the gradients;
 * at the last bucket, [s..., c, w] go out in one small float64 allreduce on the same process
-  group, issued after that bucket's, so it overlaps the gradients' tail; ``step()`` waits for
-  it, and p.grad becomes the mean of the step's micro-gradients (``_to_mean_gradient``).
+  group, issued after that bucket's, so it overlaps the gradients' tail; at the end of that
+  backward pass, once DDP has written the averaged buckets into p.grad, it is waited for and
+  p.grad becomes the mean of the step's micro-gradients (``_to_mean_gradient``), so clipping or
+  a GradScaler's ``unscale_`` between backward and ``step()`` sees the mean, as under Horovod
+  after ``synchronize()`` (which exists here too, and has nothing left to do).
 
 S, n and the agreement are those of the model's process group. Gloo has no ReduceOp.AVG: the
 statistics are summed (SUM on every backend), the gradients averaged by DDP's hook (a division
@@ -35,6 +38,7 @@ by the group's size before its SUM allreduce, as DDP's default does on NCCL and 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -44,7 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     PowerSGDState, batched_powerSGD_hook, powerSGD_hook)
 from torch.nn.parallel import DistributedDataParallel
 
-from hvd_scale.adapters.adapt import ADAPT_EVERY
+from hvd_scale.adapters.adapt import ADAPT_EVERY, check_passes
 from hvd_scale.guard import SharpnessGuard
 from hvd_scale.policies import Policy
 
@@ -79,6 +83,17 @@ JOIN_REFUSED = (
     "not supported: a joined rank's zero gradients would be counted as micro-batches. Give every "
     "rank the same number of steps (drop the last uneven batches: DistributedSampler("
     "drop_last=True)); a leftover batch with fewer passes on some ranks is fine (a short step)")
+
+
+# PyTorch's reducer fails `expect_autograd_hooks_ INTERNAL ASSERT FAILED` at the first backward
+# pass under no_sync() of a static_graph=True model, with or without hvd_scale (torch 2.13).
+# Refused when the optimizer is built (or k is raised), on every rank, before any pass.
+STATIC_GRAPH_REFUSED = (
+    "hvd_scale: DDP's static_graph=True cannot accumulate under model.no_sync() ({why}): "
+    "PyTorch's reducer fails an internal assertion (expect_autograd_hooks_) at the first pass "
+    "under no_sync(), with or without hvd_scale. Build the DistributedDataParallel without "
+    "static_graph=True (the statistics and weights are the same), or take one backward pass "
+    "per step")
 
 
 class TorchDistributedBinding:
@@ -164,6 +179,13 @@ class DistributedOptimizer(TorchOptimizer):
             raise TypeError(f"optimizer must be a plain torch.optim.Optimizer (wrapped once), got "
                             f"{type(optimizer).__name__}")
         ddp = _ddp_model(model)
+        if getattr(ddp, "static_graph", False):
+            if check_passes(backward_passes_per_step) > 1:
+                raise ValueError(STATIC_GRAPH_REFUSED.format(
+                    why=f"backward_passes_per_step={backward_passes_per_step}"))
+            if adapt is not None:
+                raise ValueError(STATIC_GRAPH_REFUSED.format(
+                    why=f"adapt={adapt!r} may choose k > 1"))
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group(...) before building the optimizer")
@@ -238,7 +260,7 @@ class DistributedOptimizer(TorchOptimizer):
         if bucket.index() == 0:
             if getattr(self._ddp, "_join_config", None) is not None and self._ddp._join_config.enable:
                 raise RuntimeError(JOIN_REFUSED)
-            if step.stats_handle is not None:
+            if step.stats_handle is not None or step.synchronized:
                 self._unconsumed()
             step.mean_norms = []
         grads, params = bucket.gradients(), bucket.parameters()
@@ -255,7 +277,22 @@ class DistributedOptimizer(TorchOptimizer):
                 step.stats_handle = self.start_statistics()
             elif self._hooked:
                 step.stats_handle = self._start_count(max(step.fired, default=0))
+            if step.stats_handle is not None:
+                self._synchronize_after_backward()
         return future
+
+    def _synchronize_after_backward(self) -> None:
+        """Make p.grad the mean at the end of this backward pass (``synchronize``), after DDP's
+        own end-of-backward callback has written the averaged buckets into p.grad. That one is
+        queued after this hook ran (the reducer queues it once the last bucket is marked ready),
+        so ours is queued from a callback: autograd runs the callbacks queued while running
+        them after those queued before, DDP's among them."""
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._synchronize_in_backward))
+
+    def _synchronize_in_backward(self) -> None:
+        if self._step.stats_handle is not None:
+            self._synchronize("the backward pass")
 
     def _bucket_denominator(self, index: int, params, grads) -> torch.Tensor | None:
         """adascale_adam's preconditioner denominator for this bucket's parameters
@@ -319,8 +356,10 @@ class DistributedOptimizer(TorchOptimizer):
         """A synchronizing pass while the previous one's statistics wait for ``step()``: with a
         GradScaler that skipped the step (an overflow) that step is counted skipped; otherwise
         the loop synchronized twice in one step."""
-        handle, self._step.stats_handle = self._step.stats_handle, None
+        step = self._step
+        handle, step.stats_handle = step.stats_handle, None
         self._drop(handle)
+        step.synchronized, step.pending, step.count = False, None, None
         if self._grad_scaler is None:
             raise RuntimeError(
                 "hvd_scale: a second synchronizing backward pass before opt.step(): with "
@@ -329,18 +368,52 @@ class DistributedOptimizer(TorchOptimizer):
                 "(it skips a non-finite step itself)")
         self.scaling.skip()
 
-    # -- what TorchOptimizer asks of an engine -------------------------------------------------------
-    def _gather(self):
-        self._check_no_parameter_unfrozen()
-        self.scaling.clock.waiting()
+    def _skipped_by_scaler(self) -> None:
+        """A step the GradScaler skipped: its statistics (finished at its backward pass, or
+        still in flight) dropped, counted skipped."""
         step = self._step
         handle, step.stats_handle = step.stats_handle, None
+        self._drop(handle)
+        step.synchronized, step.pending, step.count = False, None, None
+        self.scaling.skip()
+
+    # -- the Horovod protocol -------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """As Horovod's: wait for the step's statistics and make p.grad the mean of the step's
+        micro-gradients (``_to_mean_gradient``). Under DDP this runs by itself at the end of the
+        step's synchronizing backward pass (DDP's allreduce is complete there), so calling it
+        finds nothing left to do; kept so that Horovod's loops (``opt.synchronize()`` before
+        clipping or ``scaler.unscale_(opt)``) run unchanged. p.grad is made the mean once."""
+        self._synchronize("opt.synchronize()")
+
+    def _synchronize(self, caller: str) -> None:
+        step = self._step
+        if step.synchronized:
+            return
+        self._check_no_parameter_unfrozen()
+        self.scaling.clock.waiting()
+        handle, step.stats_handle = step.stats_handle, None
         if handle is None and (self._measure or self._hooked):
-            raise RuntimeError("hvd_scale: opt.step() without a synchronizing backward pass: "
+            raise RuntimeError(f"hvd_scale: {caller} without a synchronizing backward pass: "
                                "the step's last backward pass must run outside model.no_sync() "
                                "(DDP averages the gradients there)")
         self._finish_statistics(handle, counting=not self._measure and handle is not None)
+        # (k = 1 unmeasured: nothing was sent, p.grad is the mean already, nothing to keep.)
+        step.synchronized = handle is not None
         self.scaling.clock.waited()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``opt.synchronize(); ...; with opt.skip_synchronize(): opt.step()``, as Horovod's
+        loops write it: ``step()`` never makes the mean twice, with or without it."""
+        yield
+
+    # -- what TorchOptimizer asks of an engine -------------------------------------------------------
+    def _gather(self):
+        self._check_no_parameter_unfrozen()
+        step = self._step
+        self._synchronize("opt.step()")
+        step.synchronized = False
         return step
 
     def mean_sqnorms(self, count: torch.Tensor | None = None) -> torch.Tensor:
@@ -359,7 +432,12 @@ class DistributedOptimizer(TorchOptimizer):
         return self._inner.step(closure)
 
     def _in_step(self) -> bool:
-        return self._step.stats_handle is not None
+        return self._step.stats_handle is not None or self._step.synchronized
+
+    def set_passes(self, passes: int) -> None:
+        if getattr(self._ddp, "static_graph", False) and check_passes(passes) > 1:
+            raise ValueError(STATIC_GRAPH_REFUSED.format(why=f"set_passes({passes})"))
+        super().set_passes(passes)
 
     def _counted_by_engine(self) -> bool:
         return False

@@ -109,9 +109,10 @@ def recording(hook, calls):
 
 def train(case, *, dtype=torch.float64, policy="adascale", k=1, ddp_options=None, lrs=None,
           hook=None, hook_state=None, compiled=False, autocast=None, scaler=None, steps=None,
-          aux=False, batches=None, record_buckets=False):
+          aux=False, batches=None, record_buckets=False, synchronize=False):
     """One DDP run; emits its rows, weights, and (record_buckets) the buckets DDP handed the
-    hook at each step."""
+    hook at each step. ``synchronize``: Horovod's AMP idiom, ``opt.synchronize()`` and
+    ``scaler.unscale_(opt)`` before ``scaler.step(opt)``."""
     model = Net(dtype, aux)
     ddp = DistributedDataParallel(model, **(ddp_options or {}))
     wrapped = torch.compile(ddp, backend=compiled) if compiled else ddp
@@ -143,6 +144,10 @@ def train(case, *, dtype=torch.float64, policy="adascale", k=1, ddp_options=None
         scale = scaler.get_scale() if scaler is not None else 1.0
         gbar2 = sum(float(p.grad.double().square().sum()) for p in model.parameters()
                     if p.grad is not None) / scale ** 2
+        if synchronize:
+            opt.synchronize()
+            if scaler is not None:
+                scaler.unscale_(opt)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -313,6 +318,12 @@ def case_amp():
     train("f32_fp16_overflow", dtype=f32, autocast=torch.float16, batches=[0, *range(STEPS)],
           scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -30,
                                       growth_interval=1000))
+    # The same through Horovod's idiom (synchronize, unscale_, scaler.step): the overflow's
+    # statistics were finished at its backward pass, and are dropped and counted skipped.
+    train("f32_fp16_overflow_synchronized", dtype=f32, autocast=torch.float16,
+          batches=[0, *range(STEPS)], synchronize=True,
+          scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -30,
+                                      growth_interval=1000))
     train("f32_bf16", dtype=f32, autocast=torch.bfloat16)
     train("f32_fp16_scaled_k2", dtype=f32, autocast=torch.float16, k=2,
           scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000))
@@ -405,6 +416,25 @@ def case_refusals():
             loss_of(ddp, RANK, 0, 0).backward()
             opt.step()
     out["join"] = error_of(joined)
+
+    def static_graph(k=2, adapt=None, set_passes=None):
+        """DDP's static_graph=True with accumulation under no_sync(): one step of k passes."""
+        ddp = DistributedDataParallel(Net(), static_graph=True)
+        opt = DistributedOptimizer(sgd(ddp.parameters()), ddp, backward_passes_per_step=k,
+                                   adapt=adapt, max_passes=None if adapt is None else 4)
+        try:
+            if set_passes is not None:
+                opt.set_passes(set_passes)
+                k = set_passes
+        finally:
+            out["static_graph_left"] = [opt.backward_passes_per_step, opt.scale]
+        for j in range(k):
+            with ddp.no_sync() if j < k - 1 else contextlib.nullcontext():
+                loss_of(ddp, RANK, 0, j).backward()
+        opt.step()
+    out["static_graph_no_sync"] = error_of(static_graph)
+    out["static_graph_adapt"] = error_of(lambda: static_graph(k=1, adapt="goodput"))
+    out["static_graph_set_passes"] = error_of(lambda: static_graph(k=1, set_passes=2))
 
     alive = torch.ones(1)
     dist.all_reduce(alive)

@@ -14,6 +14,12 @@ saves its optimizer and model after step 3 (rank 0, ``DIR/<engine>.pt``) and goe
 (run "uninterrupted": steps 4..6); ``--resume`` loads the other engine's checkpoint and takes
 steps 4..6, reported as run "resumed".
 
+Gradient clipping between the last backward pass and ``step()`` (adascale, k = 2, run "clip
+..."): each engine's documented idioms, ``opt.synchronize()`` then ``clip_grad_norm_`` (with a
+GradScaler at 2^10, exact in float64: ``synchronize``, ``unscale_``, clip, ``scaler.step``), and
+under DDP also PyTorch's own idiom without ``synchronize()``; the reference clips the mean
+micro-gradient (run "clip").
+
     horovodrun --gloo -np 2 -H localhost:2 python engines_worker.py --engine horovod
     torchrun --nproc-per-node 2 engines_worker.py --engine ddp
     python engines_worker.py --engine reference
@@ -44,6 +50,13 @@ RESUME_K = 2
 PER_PASS = ("adascale", "adascale_adam")
 # adascale_adam measures from its 20th step on (AdaScaleAdam.MIN_ADAM_HISTORY): longer runs.
 ADAM_STEPS = 24
+# (run, GradScaler, synchronize()): clipped at CLIP_NORM, between the mean micro-gradient's
+# norms here (0.39 to 0.62) and twice them (k x the mean: what DDP's p.grad held before the mean
+# was made at the last backward pass), so some steps clip and some do not. Horovod's need
+# synchronize().
+CLIP_K, CLIP_NORM = 2, 0.5
+CLIP_RUNS = (("clip synchronize", False, True), ("clip scaler", True, True),
+             ("clip unsynchronized", False, False), ("clip scaler unsynchronized", True, False))
 
 
 def micro_batch(rank, step, k_pass):
@@ -94,20 +107,22 @@ class Engine:
             dist.init_process_group("gloo")
             self.rank = dist.get_rank()
 
-    def build(self, policy, k, samples="auto"):
+    def build(self, policy, k, samples="auto", scaler=None):
         model = new_model()
         if self.name == "horovod":
             from hvd_scale.adapters.torch import DistributedOptimizer
             opt = DistributedOptimizer(inner_optimizer(policy, model.parameters()),
                                        named_parameters=model.named_parameters(), policy=policy,
-                                       backward_passes_per_step=k, budget=BUDGET, samples=samples)
+                                       backward_passes_per_step=k, budget=BUDGET, samples=samples,
+                                       grad_scaler=scaler)
             return model, model, opt
         from torch.nn.parallel import DistributedDataParallel
 
         from hvd_scale.adapters.torch.ddp import DistributedOptimizer
         ddp = DistributedDataParallel(model)
         opt = DistributedOptimizer(inner_optimizer(policy, ddp.parameters()), ddp, policy=policy,
-                                   backward_passes_per_step=k, budget=BUDGET, samples=samples)
+                                   backward_passes_per_step=k, budget=BUDGET, samples=samples,
+                                   grad_scaler=scaler)
         return model, ddp, opt
 
     def step(self, wrapped, opt, step, k):
@@ -117,6 +132,26 @@ class Engine:
             with quiet:
                 loss_of(wrapped, self.rank, step, j).backward()
         opt.step()
+
+    def clipped_step(self, model, wrapped, opt, step, k, scaler, synchronize):
+        """One step of k passes clipped before the update: the norm clip_grad_norm_ saw."""
+        opt.zero_grad()
+        for j in range(k):
+            quiet = wrapped.no_sync() if self.name == "ddp" and j < k - 1 else contextlib.nullcontext()
+            with quiet:
+                loss = loss_of(wrapped, self.rank, step, j)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        if synchronize:
+            opt.synchronize()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM))
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        return norm
 
 
 def runs():
@@ -137,6 +172,18 @@ def run_engine(name, save, resume):
         for step in range(ADAM_STEPS if policy == "adascale_adam" else STEPS):
             engine.step(wrapped, opt, step, k)
             rows.append(row(opt))
+        emit_result({"rank": engine.rank, "engine": name, "run": run,
+                     "scale": opt.scale, "rows": rows, "weights": weights(model)})
+    for run, scaled, synchronize in CLIP_RUNS:
+        if name == "horovod" and not synchronize:
+            continue  # Horovod averages the gradients in synchronize(): clipping needs it
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000) \
+            if scaled else None
+        model, wrapped, opt = engine.build("adascale", CLIP_K, scaler=scaler)
+        rows = []
+        for step in range(STEPS):
+            norm = engine.clipped_step(model, wrapped, opt, step, CLIP_K, scaler, synchronize)
+            rows.append({**row(opt), "clip_norm": norm})
         emit_result({"rank": engine.rank, "engine": name, "run": run,
                      "scale": opt.scale, "rows": rows, "weights": weights(model)})
     if save:  # the run uninterrupted, saved after step 3
@@ -168,7 +215,7 @@ def run_reference():
     statistics handed to the policy (``Policy.transition``), SGD by hand with lr x factor."""
     from hvd_scale.spec import make_policy
 
-    for run, policy_spec, k, samples in runs():
+    for run, policy_spec, k, samples in [*runs(), ("clip", "adascale", CLIP_K, "auto")]:
         if policy_spec == "adascale_adam":
             continue  # Adam's moment horizons: compared between the engines only
         model = new_model()
@@ -193,6 +240,10 @@ def run_reference():
                 state, sqsum if measured else None,
                 float(mean.square().sum()) if measured else None, len(micro), scale=scale,
                 samples=reads if measured else None)
+            clipped = {}
+            if run == "clip":  # clip_grad_norm_'s coefficient, of the mean micro-gradient
+                clipped["clip_norm"] = float(mean.norm())
+                mean = mean * min(1.0, CLIP_NORM / (clipped["clip_norm"] + 1e-6))
             with torch.no_grad():
                 at = 0
                 for p in params:
@@ -201,7 +252,7 @@ def run_reference():
             estimator = policy.estimator(state, scale)
             rows.append({"gain": policy.gain(state, scale), "lr_factor": info.lr_factor,
                          "progress": state.progress, "sigma2": estimator.sigma2,
-                         "mu2": estimator.mu2, "steps": state.steps})
+                         "mu2": estimator.mu2, "steps": state.steps, **clipped})
         emit_result({"rank": 0, "engine": "reference", "run": run,
                      "scale": scale, "rows": rows, "weights": weights(model)})
 
