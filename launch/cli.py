@@ -192,7 +192,9 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     if args.engine == "horovodrun":
         horovodrun = _horovodrun()
         if horovodrun is None:
-            print(f"hvd-scale run: horovodrun not found: {SETUP_HINT}", file=sys.stderr)
+            ddp = ("; a DDP script runs without Horovod: hvd-scale run --engine torchrun"
+                   if _importable("torch") else "")
+            print(f"hvd-scale run: horovodrun not found: {SETUP_HINT}{ddp}", file=sys.stderr)
             return 127
         options = dict(hosts=args.hosts, controller=args.controller,
                        extra_args=args.horovodrun_args, executable=horovodrun)

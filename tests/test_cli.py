@@ -42,7 +42,10 @@ def test_np_must_be_positive():
 def test_missing_horovodrun_names_the_setup(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_horovodrun", lambda: None)
     assert cli.main(["run", "--", "true"]) == 127
-    assert "make setup" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "make setup" in err and "hvd-scale build-horovod" in err
+    # Where torch is there (a DDP environment), the engine that needs no Horovod is named.
+    assert "--engine torchrun" in err, err
 
 
 def test_policies_lists_every_policy_and_option(capsys):

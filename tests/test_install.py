@@ -19,6 +19,16 @@ both that the wheel installs and that its requirements and extras resolve from w
 environment has. Everything lives in one temporary directory, removed at the end whatever
 happened. Last, `hvd-scale check` in a torch-only (or TensorFlow-only) environment, in-process
 with Horovod faked: a framework that is not installed is not counted against Horovod.
+
+A DDP user's environment (no Horovod) is a second venv whose view holds only what the wheel's
+requirements name, transitively, with the `torch` extra (then `plot` too), and pip: a module
+the launcher imports but does not declare (psutil was one) is missing there as in a new
+environment. In it: `hvd-scale check` (exit 0: torchrun ready), a 2-process `hvd-scale run
+--engine torchrun` of examples/ddp_after.py with a metrics log, `advise` on it, and `plot`
+without matplotlib (one line naming the extra) and with it.
+
+A release: `python -m build --no-isolation` of a copy of the sources (the sdist, then the wheel
+built from it) and `twine check --strict` of both, offline; its version has its changelog entry.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ EXTRAS = "torch,keras"
 VERSION = re.search(r'^__version__ = "([^"]+)"$',
                     (REPO_ROOT / "hvd_scale" / "__init__.py").read_text(encoding="utf-8"),
                     re.M).group(1)
-STEP_TIMEOUT_S = 240  # one command; the module's tests take about a minute on 2 cores
+STEP_TIMEOUT_S = 240  # one command; the module's tests take 1.5-2.5 minutes on 2 cores
 
 pytestmark = pytest.mark.timeout(600)
 
