@@ -28,10 +28,12 @@ What the strategy translates, and only that:
   before hvd_scale's step, which plans from that backward pass's statistics (torch optimizers
   call it inside their step);
 * Lightning divides each micro-batch's loss by ``accumulate_grad_batches``; hvd_scale takes each
-  micro-batch's mean loss and divides by the passes itself, so ``backward`` multiplies it back.
+  micro-batch's mean loss and divides by the passes itself, so ``backward`` multiplies it back;
+* at the end of the step's synchronizing pass the DDP optimizer makes p.grad the mean of the
+  step's passes (``ddp.DistributedOptimizer.synchronize``), so Lightning's gradient clipping and
+  ``on_before_optimizer_step`` see the mean, as they do under Lightning's own DDP.
 
-Refused: more than one optimizer (DDP has one hook), gradient clipping with accumulation (it would
-clip the sum of the passes, before hvd_scale makes it the mean), post-local SGD.
+Refused: more than one optimizer (DDP has one hook), post-local SGD.
 """
 
 from __future__ import annotations
@@ -96,9 +98,6 @@ class DDPStrategy(_LightningDDPStrategy):
             raise ValueError(f"hvd_scale's DDPStrategy takes one optimizer (DDP has one "
                              f"communication hook), configure_optimizers gave {len(self.optimizers)}")
         k = trainer.accumulate_grad_batches
-        if k > 1 and trainer.gradient_clip_val:
-            raise ValueError("hvd_scale's DDPStrategy: gradient clipping with accumulate_grad_batches "
-                             "> 1 would clip the sum of the passes; clip at one pass per step")
         from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
         if isinstance(self._ddp_comm_state, PostLocalSGDState):
             raise ValueError("hvd_scale's DDPStrategy: post-local SGD stops averaging the gradients")
