@@ -46,12 +46,19 @@ The dict form (torch's ``state_dict``, broadcasts):
 
 The vector form (Keras's ``hvd_scale_state``), float64:
 
-    [version, scale, passes, workers, measure, skips_in_a_row, last_lr, PolicyState's vector]
+    [version, policy, scale, passes, workers, measure, skips_in_a_row, last_lr,
+     PolicyState's vector]
+
+where ``policy`` is the spec's code (``policy_code``): a variable holds numbers only, and a
+record of one policy read by another would feed its estimates into the wrong rule (adascale's
+plain sigma2 into adascale_adam's preconditioned ones), so the vector names its policy as the
+dict does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Any, Mapping, Sequence
 
@@ -69,10 +76,13 @@ from .state import PolicyState
 #    version-5 torch checkpoint ({"hvd_scale": the policy's dict, "passes"}) is migrated
 #    (``from_dict``); a Keras vector of before (no version, 6 + 2G values) does not fit the
 #    variable and is refused by Keras's loader.
-VERSION = 6
+# 7: the vector names the policy that saved it (``policy_code``). The dict is version 6's (it
+#    always held the spec) and a version-6 dict loads as it is; a version-6 vector (one value
+#    shorter) is migrated only by a caller that knows which policy saved it (``migrate_vector``).
+VERSION = 7
 KEYS = {"version", "policy", "scale", "passes", "workers", "measure", "skips_in_a_row", "last_lr"}
-HEAD = 7  # the vector's fields before the policy's record
-VERSION_INDEX, SCALE_INDEX, PASSES_INDEX = 0, 1, 2  # a framework may read these in its graph
+HEAD = 8  # the vector's fields before the policy's record
+VERSION_INDEX, POLICY_INDEX, SCALE_INDEX, PASSES_INDEX = 0, 1, 2, 3  # a graph may read these
 STEPS_INDEX = HEAD + POLICY_STEPS_INDEX
 PROGRESS_INDEX = HEAD + POLICY_PROGRESS_INDEX
 
@@ -136,9 +146,9 @@ class RunState:
         if not isinstance(d, Mapping) or set(d) != KEYS:
             got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
             raise ValueError(f"hvd_scale run state: expected keys {sorted(KEYS)}, got {got}")
-        if d["version"] != VERSION:
+        if d["version"] not in (6, VERSION):  # 6: the same dict
             raise ValueError(f"hvd_scale run state version {d['version']!r} is not supported "
-                             f"(expected {VERSION}, or a policy state of version <= 5)")
+                             f"(expected {VERSION} or 6, or a policy state of version <= 5)")
         return cls(setup.policy.load_state(d["policy"]), float(d["scale"]), int(d["passes"]),
                    int(d["workers"]), bool(d["measure"]), int(d["skips_in_a_row"]),
                    float(d["last_lr"]))
@@ -148,26 +158,73 @@ class RunState:
     def vector_size(groups: int) -> int:
         return HEAD + PolicyState.vector_size(groups)
 
-    def to_vector(self, groups: int) -> np.ndarray:
-        head = [VERSION, self.scale, self.passes, self.workers, float(self.measure),
-                self.skips_in_a_row, self.last_lr]
+    def to_vector(self, setup: "Setup") -> np.ndarray:
+        head = [VERSION, policy_code(setup.policy), self.scale, self.passes, self.workers,
+                float(self.measure), self.skips_in_a_row, self.last_lr]
         return np.concatenate([np.asarray(head, dtype=np.float64),
-                               self.policy.to_vector(groups)])
+                               self.policy.to_vector(setup.groups)])
 
     @classmethod
-    def from_vector(cls, vector, groups: int) -> "RunState":
+    def from_vector(cls, vector, setup: "Setup") -> "RunState":
+        """The record of a vector saved by ``setup``'s policy; ValueError naming what does not
+        fit (its size, its version, the policy that saved it)."""
+        groups = setup.groups
         v = np.asarray(vector, dtype=np.float64)
         if v.shape != (cls.vector_size(groups),):
             raise ValueError(f"an hvd_scale run state vector for {groups} parameter group(s) "
                              f"holds {cls.vector_size(groups)} values, got shape {v.shape}")
-        version, scale, passes, workers, measure, skips, last_lr = v[:HEAD].tolist()
+        version, code, scale, passes, workers, measure, skips, last_lr = v[:HEAD].tolist()
         if version != VERSION:
             raise ValueError(f"the hvd_scale state vector (Keras's hvd_scale_state) holds a "
                              f"version {version:g} record, this hvd_scale reads version "
                              f"{VERSION}: it was saved by another hvd_scale (or overwritten); "
                              "resume with the version that saved it")
+        if code != policy_code(setup.policy):
+            raise ValueError(f"checkpoint was saved by {_named(code)}, this job runs "
+                             f"{setup.policy.spec!r}; build the policy from the same spec to "
+                             "resume (Keras's hvd_scale_state holds another policy's record: "
+                             "its estimates would give this policy a wrong lr)")
         return cls(PolicyState.from_vector(v[HEAD:], groups), scale, int(passes), int(workers),
                    bool(measure), int(skips), last_lr)
+
+
+def policy_code(policy: Policy) -> float:
+    """The policy's identity as one float64, for the vector: the first 48 bits (exact in float64)
+    of SHA-256 over its name and options as ``Policy.same_spec`` compares them (parsed, sorted),
+    so two specs get one code exactly when a checkpoint of one resumes under the other."""
+    return _code(policy.name, type(policy).parse_options(policy.spec.partition(":")[2]))
+
+
+def _code(name: str, options: Mapping[str, Any]) -> float:
+    canonical = name + ":" + ",".join(f"{k}={options[k]!r}" for k in sorted(options))
+    return float(int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:6], "big"))
+
+
+def _named(code: float) -> str:
+    """The policy a code stands for, where it is a registered policy without options."""
+    from .spec import POLICIES  # the registry imports the rules, not this module
+    names = [name for name in POLICIES if _code(name, {}) == code]
+    return f"policy {names[0]!r}" if names else \
+        f"another policy, or one with other options (code {code:.0f})"
+
+
+def migrate_vector(vector, setup: "Setup", *, saved_by_this_policy: bool) -> np.ndarray:
+    """A saved vector as this version's: a version-6 vector (no policy in it) gets ``setup``'s
+    policy when the caller knows it saved the vector (``saved_by_this_policy``: e.g. Keras's
+    optimizer rebuilt from the config saved with it), and is refused otherwise, naming what to
+    do; any other vector is returned as it is (``from_vector`` checks it)."""
+    v = np.asarray(vector, dtype=np.float64)
+    if v.shape != (RunState.vector_size(setup.groups) - 1,) or v[VERSION_INDEX] != 6:
+        return v
+    if not saved_by_this_policy:
+        raise ValueError(
+            f"hvd_scale: this checkpoint's hvd_scale_state is a version 6 record, which does not "
+            f"name the policy that saved it, and this optimizer runs {setup.policy.spec!r}: a "
+            "record of another policy would give it a wrong lr, so it is not taken. Load the "
+            "whole model with keras.models.load_model (its saved config names the policy, and "
+            "the record is then taken as that policy's) and save it again, or resume with the "
+            "hvd_scale that saved it (nothing was changed)")
+    return np.concatenate([[VERSION, policy_code(setup.policy)], v[1:]])
 
 
 @dataclasses.dataclass(frozen=True)

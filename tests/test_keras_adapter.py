@@ -322,6 +322,21 @@ def test_save_and_load_continue_the_run(backend_results):
         if "tf_checkpoint_hash" in r or "torch" not in r["backend"]:
             assert r["tf_checkpoint_progress"] == r["full_progress"]
             assert r["tf_checkpoint_hash"] == r["full_hash"]
+        # Another policy's record (issue 58 item 2: Keras took it, and its estimates set the
+        # lr): refused at load_weights, naming both, the record unchanged; a TensorFlow
+        # checkpoint, read into the variable as it is, at the first read and step.
+        other = r["other_policy"]
+        refusal = "checkpoint was saved by policy 'adascale', this job runs 'linear'"
+        assert refusal in other["load_weights"], other
+        assert other["unchanged"]
+        if "tf_read" in other:
+            assert refusal in other["tf_read"] and refusal in other["tf_fit"], other
+            assert other["tf_fit_unchanged"]
+        # The previous record version (no policy in it): load_model takes it as the policy its
+        # file's config names, and the run continues the same; load_weights refuses it.
+        assert r["migrated_record"] and r["migrated_hash"] == r["full_hash"]
+        assert "a version 6 record, which does not name the policy" in r["old_refused"]
+        assert "keras.models.load_model" in r["old_refused"]
     assert r0["full_hash"] == r1["full_hash"]
 
 

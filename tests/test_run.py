@@ -54,20 +54,20 @@ def test_both_forms_round_trip_the_whole_record(spec):
         run, _, _ = runs.host_step(setup, run, StepInputs(stats(6), True, user(t=run.policy.steps + 1)))
     run = runs.skipped(run)
     assert RunState.from_dict(run.to_dict(setup), setup) == run
-    again = RunState.from_vector(run.to_vector(1), 1)
-    assert again.to_vector(1).tolist() == run.to_vector(1).tolist()
+    again = RunState.from_vector(run.to_vector(setup), setup)
+    assert again.to_vector(setup).tolist() == run.to_vector(setup).tolist()
     assert (again.passes, again.workers, again.scale, again.skips_in_a_row) == (3, 2, 6.0, 1)
 
 
 def test_a_vector_of_another_version_is_refused_naming_both():
     """#47 item 6: Keras's vector had no version, and an old record loaded silently."""
     setup = setup_for("adascale_adam")
-    vector = runs.start(setup, scale=2, passes=1, workers=2, measure=True).to_vector(1)
+    vector = runs.start(setup, scale=2, passes=1, workers=2, measure=True).to_vector(setup)
     vector[runs.VERSION_INDEX] = 5
-    with pytest.raises(ValueError, match=r"holds a version 5 record, this hvd_scale reads version 6"):
-        RunState.from_vector(vector, 1)
-    with pytest.raises(ValueError, match=r"holds 15 values, got shape \(13,\)"):
-        RunState.from_vector(np.zeros(13), 1)  # before the run record: 6 + 2G, no version
+    with pytest.raises(ValueError, match=r"holds a version 5 record, this hvd_scale reads version 7"):
+        RunState.from_vector(vector, setup)
+    with pytest.raises(ValueError, match=r"holds 16 values, got shape \(13,\)"):
+        RunState.from_vector(np.zeros(13), setup)  # before the run record: 6 + 2G, no version
 
 
 def test_a_version_5_torch_checkpoint_migrates_with_its_policy_state():

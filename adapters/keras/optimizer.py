@@ -43,7 +43,7 @@ from hvd_scale.adapters.core import (PLAN, USER_SETTINGS, Framework, Readout, Re
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
 from hvd_scale.reduce import step_vector_size, wire_copies, wire_sums
-from hvd_scale.run import PASSES_INDEX, PROGRESS_INDEX, STEPS_INDEX, RunState
+from hvd_scale.run import PASSES_INDEX, PROGRESS_INDEX, STEPS_INDEX, RunState, migrate_vector
 
 from . import backends
 
@@ -200,10 +200,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         # The graph's shape: k > 1 or a k that may change accumulates (in variables).
         self._accumulating = backward_passes_per_step > 1 or adapt is not None
         self._adapted_at = None  # the steps after which adapt_passes() last ran
+        self._from_saved_config = False  # from_config: the policy is the one saved with it
 
     # -- Keras optimizer protocol ----------------------------------------------------------------
     def build(self, var_list):
-        initial = self.scaling.run.to_vector(GROUPS)
+        initial = self.scaling.run.to_vector(self.scaling.setup)
         self._state = self.add_variable(
             shape=initial.shape, dtype="float64", aggregation="none", name="hvd_scale_state",
             initializer=lambda shape, dtype=None: ops.convert_to_tensor(initial, "float64"))
@@ -334,7 +335,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         micro-batch, the saved k where k adapts)."""
         if self.built and self._backend.eager():
             self.scaling.run = self.scaling.restored(
-                RunState.from_vector(ops.convert_to_numpy(self._state.value), GROUPS))
+                RunState.from_vector(ops.convert_to_numpy(self._state.value), self.scaling.setup))
 
     def _mid_step(self) -> bool:
         return self._accumulating and self.built and \
@@ -359,7 +360,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                                "step's last apply and before the next step's first")
         run = self.scaling.relaid(k)  # refused here, before anything changes, if it cannot run
         if self.built:
-            self._state.assign(ops.convert_to_tensor(run.to_vector(GROUPS), "float64"))
+            self._state.assign(ops.convert_to_tensor(run.to_vector(self.scaling.setup), "float64"))
         self.scaling.run = run
 
     def adapt_passes(self) -> int:
@@ -477,11 +478,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         """The host side of ``on_host``, in numpy: the record from the variable, ``fn``, and the
         new record's vector with the plan."""
         self.scaling.clock.waited()  # the allreduce it depends on is over
-        self.scaling.run = self.scaling.restored(RunState.from_vector(state, GROUPS))
+        self.scaling.run = self.scaling.restored(RunState.from_vector(state, self.scaling.setup))
         if self.scaling.adapt is not None:
             self._check_adapted(self.scaling.run.policy.steps)
         plan = fn(statistics if measured else None, bool(finite), user_settings, float(loss_scale))
-        return self.scaling.run.to_vector(GROUPS), np.asarray(plan, dtype=np.float64)
+        return self.scaling.run.to_vector(self.scaling.setup), np.asarray(plan, dtype=np.float64)
 
     def apply_step(self, plan, step):
         """inner.apply with the plan's lr (and, for adascale_adam, the step's beta_1, beta_2,
@@ -586,6 +587,21 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         self._follow_variable()
         return self.scaling.run
 
+    def load_own_variables(self, store):
+        """Keras's loader (``load_model``, ``load_weights``): the saved record is checked before
+        any of this optimizer's variables is assigned (another policy's or version's is refused,
+        naming it), and a version-6 record, which names no policy, is taken as this policy's
+        only when this optimizer was rebuilt from the config saved with it (``load_model``)."""
+        variables = self.variables
+        if self.built and len(store.keys()) == len(variables):
+            index = str(next(i for i, v in enumerate(variables) if v is self._state))
+            values = {key: store[key] for key in store.keys()}
+            saved = migrate_vector(np.asarray(values[index]), self.scaling.setup,
+                                   saved_by_this_policy=self._from_saved_config)
+            self.scaling.restored(RunState.from_vector(saved, self.scaling.setup))
+            values[index], store = saved, values
+        super().load_own_variables(store)
+
     # -- forwarded to the inner optimizer ---------------------------------------------------------
     @property
     def learning_rate(self):
@@ -639,7 +655,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
                                                       custom_objects=custom_objects)
-        return cls(inner, **config)
+        optimizer = cls(inner, **config)
+        optimizer._from_saved_config = True
+        return optimizer
 
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, policy={self.scaling.policy.spec!r})"

@@ -520,17 +520,61 @@ def case_features():
     emit("features", **out)
 
 
-def new_checkpoint_model():
+def new_checkpoint_model(policy="adascale"):
     model = make_model()
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
-    opt = DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=0.9), policy="adascale",
+    opt = DistributedOptimizer(keras.optimizers.SGD(schedule, momentum=0.9), policy=policy,
                                backward_passes_per_step=2)
     model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
     return model
 
 
+def as_version_6(path, vector):
+    """The saved file (.keras or .weights.h5) as the previous record version wrote it: the
+    hvd_scale_state entry equal to ``vector`` without the policy's code, [6, S, k, W, measure,
+    skips, last lr, the policy's record]."""
+    import h5py
+    import zipfile
+
+    def rewrite(h5):
+        with h5py.File(h5, "r+") as f:
+            found = []
+            f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset)
+                         and np.array_equal(obj[()], vector) else None)
+            assert len(found) == 1, found
+            old = np.concatenate([[6.0], f[found[0]][()][2:]])
+            del f[found[0]]
+            f.create_dataset(found[0], data=old)
+
+    if not path.endswith(".keras"):
+        return rewrite(path)
+    with zipfile.ZipFile(path) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    h5 = path + ".h5"
+    with open(h5, "wb") as f:
+        f.write(members["model.weights.h5"])
+    rewrite(h5)
+    with open(h5, "rb") as f:
+        members["model.weights.h5"] = f.read()
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+
+
+def load_error(load):
+    """The error ``load()`` raised (its type and message), or None."""
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 (Keras's loader wraps the error in a ValueError)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def case_checkpoint():
-    """model.save / load_model in the middle of a run (and of an accumulation) continues it."""
+    """model.save / load_model in the middle of a run (and of an accumulation) continues it;
+    a record of another policy is refused (load_weights, tf.train.Checkpoint); one of the
+    previous record version (no policy in it) is migrated by load_model (the file's config
+    names the policy) and refused by load_weights into an optimizer built here."""
     x, y = dataset(hvd.rank(), 80)  # 5 micro-batches per epoch: epoch 1 ends mid-accumulation
     fit = dict(batch_size=16, shuffle=False, verbose=0)
     full = new_checkpoint_model()
@@ -543,6 +587,38 @@ def case_checkpoint():
         path = os.path.join(d, f"rank{hvd.rank()}.keras")
         part.save(path)
         resumed = keras.models.load_model(path)
+        # Another policy's record (the same variables: SGD with momentum under 'linear').
+        weights = os.path.join(d, "part.weights.h5")
+        part.save_weights(weights)
+        other = new_checkpoint_model("linear")
+        other.optimizer.build(other.trainable_variables)
+        other_before = other.optimizer._state.numpy().copy()
+        other_policy = {"load_weights": load_error(lambda: other.load_weights(weights))}
+        other_policy["unchanged"] = bool(np.array_equal(other_before, other.optimizer._state.numpy(),
+                                                        equal_nan=True))  # last lr: nan
+        # The previous version's record: migrated by load_model, refused by load_weights.
+        vector = part.optimizer._state.numpy().copy()
+        old_path, old_weights = os.path.join(d, "v6.keras"), os.path.join(d, "v6.weights.h5")
+        shutil.copy(path, old_path)
+        shutil.copy(weights, old_weights)
+        as_version_6(old_path, vector)
+        as_version_6(old_weights, vector)
+        migrated = keras.models.load_model(old_path)
+        migrated_record = bool(np.array_equal(migrated.optimizer._state.numpy(), vector))
+        fresh = new_checkpoint_model()
+        fresh.optimizer.build(fresh.trainable_variables)
+        old_refused = load_error(lambda: fresh.load_weights(old_weights))
+        if TF:  # a TensorFlow checkpoint is read into the variable as it is: refused at use
+            prefix = tf.train.Checkpoint(model=part, optimizer=part.optimizer).save(
+                os.path.join(d, "policy"))
+            linear = new_checkpoint_model("linear")
+            linear.optimizer.build(linear.trainable_variables)
+            tf.train.Checkpoint(model=linear, optimizer=linear.optimizer).restore(prefix)
+            linear_before = linear.get_weights()
+            other_policy["tf_read"] = load_error(lambda: linear.optimizer.run_state)
+            other_policy["tf_fit"] = load_error(lambda: linear.fit(x[:32], y[:32], **fit))
+            other_policy["tf_fit_unchanged"] = all(
+                np.array_equal(a, b) for a, b in zip(linear_before, linear.get_weights()))
         if TF:  # the same through a TensorFlow checkpoint into a freshly built model
             prefix = tf.train.Checkpoint(model=part, optimizer=part.optimizer).save(os.path.join(d, "tf"))
             restored = new_checkpoint_model()
@@ -554,7 +630,10 @@ def case_checkpoint():
     loaded = {"type": type(opt).__name__, "policy": opt.policy.spec, "progress": opt.progress,
               "pending": int(opt._micro_steps.numpy()), "inner": type(opt.inner_optimizer).__name__}
     resumed.fit(x, y, epochs=2, **fit)
+    migrated.fit(x, y, epochs=2, **fit)
     emit("checkpoint", saved_progress=saved_progress, loaded=loaded,
+         other_policy=other_policy, migrated_record=migrated_record,
+         migrated_hash=weights_hash(migrated), old_refused=old_refused,
          full_progress=full.optimizer.progress, resumed_progress=opt.progress,
          full_iterations=int(full.optimizer.iterations.numpy()),
          resumed_iterations=int(opt.iterations.numpy()),
