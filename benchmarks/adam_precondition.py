@@ -72,7 +72,7 @@ class Smoothed:
         if state.sigma2_biased is None:
             return float("nan"), float("nan"), 1.0
         sigma2, mu2 = summed_moments(*smoothed(state))
-        return sigma2, mu2, estimated_gain(state, self.scale)
+        return sigma2, mu2, estimated_gain(state, self.scale, self.est.smoothing)
 
 
 def replay(args) -> list[dict]:

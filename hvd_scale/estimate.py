@@ -293,11 +293,60 @@ def smoothed(state: EstimatorState) -> tuple[np.ndarray, np.ndarray] | tuple[Non
     return state.sigma2_biased / state.bias_weight, state.mu2_biased / state.bias_weight
 
 
-def estimated_gain(state: EstimatorState, scale: float) -> float:
-    """r in [1, S] from the smoothed estimates at scale S; 1 before any (and always at S = 1)."""
+# -- the warm-in: the gain from young estimates ---------------------------------------------------
+#
+# The smoothed sigma2 and mu2 after t steps average about t noisy per-step estimates, so the first
+# steps' gains would come from one to a few of them: with noise of low rank and two samples a step
+# (W 2 x k 8) step 1's gain is off by more than x 1.5 in ~70% of runs, up to S
+# (benchmarks/results/warm_in.md). Write the gain as
+#
+#     r - 1 = (1 - 1/S) sigma2 / q,       q = sigma2 / S + mu2 = E|g_bar|^2 at S
+#
+# sigma2_hat and q_hat are uncorrelated (``estimate_variances``), so the variance of log(r - 1) is
+# the sum of their relative variances. For Gaussian micro-gradients, whatever the covariance's
+# shape (tr C^2 <= sigma2^2 and mu^T C mu <= mu2 sigma2: noise of rank one is the worst case),
+# one step's
+#
+#     var(sigma2_hat) / sigma2^2 <= 2 / (samples - 1) <= 2        (two samples a step: the fewest)
+#     var(q_hat) / q^2 <= (4 mu2 sigma2 / S + 2 sigma2^2 / S^2) / q^2 <= 2
+#
+# V, their sum, taken at the estimates. The debiased EMA of t steps at theta (bias weight
+# u = 1 - theta^t) holds n_eff = (sum w)^2 / sum w^2 = u (1 + theta) / ((1 - theta)(2 - u)) steps'
+# worth, tending to its horizon's (1 + theta) / (1 - theta); the variance V / n_eff exceeds what
+# the EMA keeps at its horizon (the noise chosen with theta, which stays) by
+#
+#     v = V (1 / n_eff - (1 - theta) / (1 + theta)) = V 2 (1 - theta)(1 - u) / ((1 + theta) u)
+#
+# (about V / t early on). The gain applied is the lower z-sigma bound of r - 1 allowed F times
+# over, which is the estimate itself once that bound is within x F of it:
+#
+#     r_applied - 1 = (r_hat - 1) min(1, F exp(-z sqrt(v)))          z = 2, F = 1.5
+#
+# So the warm-in's length is the estimates' own: how many steps the EMA holds at S's theta, and
+# how noisy the estimates say a step is (a signal-dominated q needs fewer). No state beyond the
+# EMA's; without smoothing (theta = 0: each step's own estimate asked for) v = 0, no warm-in. The
+# samples a step read are not in the record, so its variance is taken at the fewest (2): per-pass
+# statistics warm in as long as per-worker ones. At a change of S, theta's is taken.
+WARM_IN_Z = 2.0       # z = 0: no warm-in (the engine's tests of other mechanics)
+WARM_IN_FACTOR = 1.5
+
+
+def estimated_gain(state: EstimatorState, scale: float, theta: float) -> float:
+    """The gain a step at scale S applies from the estimates smoothed at ``theta``: r in [1, S],
+    held toward 1 while the EMA is young (the warm-in above); 1 before any estimate (and always
+    at S = 1). The bare ratio of the smoothed estimates is ``gain_ratio(*smoothed(state), S)``."""
     if scale == 1.0 or state.sigma2_biased is None:
         return 1.0
-    return gain_ratio(*smoothed(state), scale)
+    gain = gain_ratio(*smoothed(state), scale)
+    u = state.bias_weight
+    if gain <= 1.0 or theta == 0.0 or u >= 1.0:
+        return gain
+    sigma2, mu2 = summed_moments(*smoothed(state))
+    q = sigma2 / scale + mu2  # > 0 where the gain is > 1
+    noise, signal = sigma2 / scale / q, mu2 / q  # in parts of q (q^2 could underflow)
+    var = 2.0 + min(4 * noise * signal + 2 * noise ** 2, 2.0)
+    excess = var * 2 * (1 - theta) * (1 - u) / ((1 + theta) * u)
+    return 1.0 + (gain - 1.0) * min(1.0, WARM_IN_FACTOR * math.exp(-WARM_IN_Z * math.sqrt(excess)))
 
 
 def check_keys(what: str, d: Mapping, expected: set) -> None:
@@ -377,8 +426,9 @@ class GainEstimator:
 
     @property
     def gain(self) -> float:
-        """r in [1, S]; 1 before any statistics (and always at S = 1)."""
-        return estimated_gain(self.state, self._scale)
+        """r in [1, S], held toward 1 while the estimates are young (``estimated_gain``); 1
+        before any statistics (and always at S = 1)."""
+        return estimated_gain(self.state, self._scale, self.smoothing)
 
     @property
     def noise_scale(self) -> float:

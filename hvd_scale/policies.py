@@ -217,9 +217,9 @@ class Policy:
         return scale
 
     def gain(self, state: PolicyState, scale: float) -> float:
-        """The gain a step at scale S applies, from the estimates in ``state`` (adascale_adam:
-        capped)."""
-        return estimated_gain(state.estimator, scale)
+        """The gain a step at scale S applies, from the estimates in ``state`` (held toward 1
+        while they are young: ``estimate.estimated_gain``; adascale_adam: capped)."""
+        return estimated_gain(state.estimator, scale, self.theta(scale))
 
     def theta(self, scale: float) -> float:
         """The EMA's theta for a step at scale S (default 0.999 ** S: ~1000 baseline batches)."""
@@ -475,7 +475,6 @@ class AdaScale(Policy):
     description = "lr x gain r in [1, S] measured from the gradient variance (Johnson et al. 2020); SGD"
     options = _SMOOTHING
     uses_statistics = True
-
     def rule_factor(self, progress, scale, gain) -> float:
         return gain
 
@@ -567,10 +566,11 @@ class AdaScaleAdam(AdaScale):
 
     def gain(self, state: PolicyState, scale: float) -> float:
         """The measured gain capped at ``max_gain``, and 1 while Adam's v has too little history
-        (``MIN_ADAM_HISTORY``): the r a step applies."""
+        (``MIN_ADAM_HISTORY``), then held toward 1 while the estimates are young (AdaScale's
+        warm-in: they start at that step): the r a step applies."""
         if state.steps < self.MIN_ADAM_HISTORY:
             return 1.0
-        return min(estimated_gain(state.estimator, scale), self.max_gain)
+        return min(estimated_gain(state.estimator, scale, self.theta(scale)), self.max_gain)
 
     def rule_factor(self, progress, scale, gain) -> float:
         power = self._options.get("lr_power", 0.5)
@@ -583,7 +583,7 @@ class AdaScaleAdam(AdaScale):
                                              max_factor=max_factor,
                                              require_statistics=require_statistics,
                                              samples=samples)
-            measured = estimated_gain(after.estimator, scale) \
+            measured = estimated_gain(after.estimator, scale, self.theta(scale)) \
                 if self._options.get("capped") == "drift" else info.gain
             if measured > info.gain:
                 # v shrank by the measured r while tau is credited R: the baseline's drift per

@@ -9,6 +9,7 @@ m = mean_i |g_i|^2, q = |g_bar|^2; the estimator receives sqnorm_sum = n m and m
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -17,8 +18,65 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import hvd_scale.estimate
 from hvd_scale import GainEstimator
-from hvd_scale.estimate import SIGMA2_FLOOR, estimate_moments, gain_ratio
+from hvd_scale.estimate import (SIGMA2_FLOOR, EstimatorState, estimate_moments, estimated_gain,
+                                gain_ratio, smoothed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def without_warm_in():
+    """The tests here check the estimates' mechanics against the gain ratio from step 1; the
+    warm-in (the young EMA's gain held toward 1) is tested on its own (``warm_in``)."""
+    saved = hvd_scale.estimate.WARM_IN_Z
+    hvd_scale.estimate.WARM_IN_Z = 0.0
+    yield
+    hvd_scale.estimate.WARM_IN_Z = saved
+
+
+@pytest.fixture
+def warm_in(monkeypatch):
+    monkeypatch.setattr(hvd_scale.estimate, "WARM_IN_Z", 2.0)
+
+
+def test_warm_in_by_hand(warm_in):
+    # One step at S = 4, theta = 0.5: sigma2 = mu2 = 1 (estimate.py's example), r_hat = 1.6.
+    # u = 0.5, q = 1.25: noise 0.2, signal 0.8 of q, V = 2 + 4 (0.2)(0.8) + 2 (0.04) = 2.72;
+    # v = V 2 (0.5)(0.5) / (1.5 x 0.5) = 1.8133; r - 1 = 0.6 x 1.5 exp(-2 sqrt(v)).
+    state = EstimatorState(np.array([0.5]), np.array([0.5]), 0.5, 1)
+    assert gain_ratio(*smoothed(state), 4) == pytest.approx(1.6)
+    want = 1 + 0.6 * 1.5 * math.exp(-2 * math.sqrt(2.72 * 2 * 0.25 / 0.75))
+    assert estimated_gain(state, 4, 0.5) == pytest.approx(want, rel=1e-12)
+    # The horizon reached (u -> 1), or no smoothing: the ratio itself.
+    assert estimated_gain(dataclasses.replace(state, bias_weight=1.0), 4, 0.5) == \
+        pytest.approx(1.6)
+    assert estimated_gain(state, 4, 0.0) == pytest.approx(1.6)
+    # Never above the ratio nor below 1; 1 at S = 1 and before any estimate.
+    for u in (1e-300, 1e-6, 0.01, 0.3, 0.99):
+        g = estimated_gain(dataclasses.replace(state, sigma2_biased=np.array([u]),
+                                               mu2_biased=np.array([0.3 * u]), bias_weight=u),
+                           64, 0.999 ** 64)
+        assert 1.0 <= g <= gain_ratio([1.0], [0.3], 64)
+    assert estimated_gain(state, 1, 0.5) == estimated_gain(EstimatorState(), 4, 0.5) == 1.0
+
+
+def test_warm_in_length_is_the_emas_effective_samples(warm_in):
+    # The excess variance is V (1 / n_eff - 1 / n_horizon), n_eff = (sum w)^2 / sum w^2 of the
+    # debiased EMA's weights: after t steps at theta, u = 1 - theta^t.
+    theta = 0.999 ** 16
+    for t in (1, 5, 40, 200):
+        w = (1 - theta) * theta ** np.arange(t)
+        n_eff = w.sum() ** 2 / (w * w).sum()
+        u = 1 - theta ** t
+        excess = 2 * (1 - theta) * (1 - u) / ((1 + theta) * u)
+        assert excess == pytest.approx(1 / n_eff - (1 - theta) / (1 + theta), rel=1e-9)
+    # A run of steps at S = 16 with sigma2 = 4, mu2 = 1 (r = 4): held low first, the ratio by
+    # the EMA's ~40th step (V <= 4: 2 sqrt(4 excess) <= ln 1.5), never above it.
+    est, gains = GainEstimator(16), []
+    for _ in range(60):
+        gains.append(est.update([24.0], [1.25], 16, samples=2))
+    assert gains[0] < 1.2 and all(a < b for a, b in zip(gains[:35], gains[1:36]))
+    assert gains[-1] == pytest.approx(4.0) and max(gains) <= 4.0 + 1e-12
 
 
 def closed_form_gain(sigma2: float, mu2: float, scale: float) -> float:
@@ -576,3 +634,33 @@ def test_samples_resolve_to_workers_from_two_workers_and_refuse_what_cannot_meas
         resolve_samples("workers", 1)
     with pytest.raises(ValueError, match=r"samples=True: must be one of"):
         resolve_samples(True, 2)
+
+
+@pytest.mark.parametrize("hook", ["horovod", "ddp"])
+def test_fp16_compression_moves_the_estimates_only_for_gradients_of_about_1e_7(hook):
+    """What docs/torch.md and docs/ddp.md say of fp16 compression: the workers' norms are of their
+    own gradients, |g_bar|^2 of the compressed mean. fp16 has no normal numbers below 6.1e-5, so
+    elements of ~1e-7 are rounded to multiples of 6e-8, which adds to q only: sigma2 low, mu2
+    high, the gain low. A numpy model of the two compressions (Horovod's Compression.fp16: each
+    gradient cast, summed in fp16, averaged; DDP's fp16_compress_hook: g / W cast, summed in
+    fp16), 2 workers, 200k elements, noise twice the signal per element."""
+    rng = np.random.default_rng(0)
+    moved = {}
+    for size in (1e-5, 1e-6, 1e-7):
+        mu = size * rng.standard_normal(200_000)
+        g = (mu + 2 * size * rng.standard_normal((2, mu.size))).astype(np.float32)
+        sqnorm_sum = float(np.sum(g.astype(np.float64) ** 2))
+        if hook == "horovod":
+            compressed = g.astype(np.float16).sum(axis=0, dtype=np.float16) / np.float16(2)
+        else:
+            compressed = (g / 2).astype(np.float16).sum(axis=0, dtype=np.float16)
+        exact = g.mean(axis=0, dtype=np.float64)
+        (s_e,), (m_e,) = estimate_moments(sqnorm_sum, float(exact @ exact), 2, 2)
+        c = compressed.astype(np.float64)
+        (s_c,), (m_c,) = estimate_moments(sqnorm_sum, float(c @ c), 2, 2)
+        moved[size] = (s_c / s_e - 1, m_c / m_e - 1,
+                       gain_ratio(s_c, m_c, 2) / gain_ratio(s_e, m_e, 2) - 1)
+    for size in (1e-5, 1e-6):  # nothing measurable from 1e-6 on
+        assert all(abs(x) < 0.005 for x in moved[size]), moved[size]
+    sigma2, mu2, gain = moved[1e-7]  # sigma2 -3%, mu2 +11-12%, gain -2%
+    assert sigma2 < -0.01 and mu2 > 0.05 and gain < -0.01, moved[1e-7]

@@ -74,10 +74,10 @@ def test_the_cap_lowers_the_applied_factor_not_progress(spec):
     for _ in range(25):
         stats = (float(rng.uniform(8, 16)), float(rng.uniform(0.5, 1.0)), 8)
         free_state, a = free.transition(free_state, *stats, scale=8)
-        capped_state, b = capped.transition(capped_state, *stats, scale=8, max_factor=1.2)
-        assert b.lr_factor == min(a.lr_factor, 1.2) and capped_state.lr_factor == b.lr_factor
+        capped_state, b = capped.transition(capped_state, *stats, scale=8, max_factor=1.05)
+        assert b.lr_factor == min(a.lr_factor, 1.05) and capped_state.lr_factor == b.lr_factor
         assert b.progress == a.progress and b.gain == a.gain
-    assert free_state.lr_factor > 1.2  # the cap did bind
+    assert free_state.lr_factor > 1.05  # the cap did bind (adascale_adam: 5 steps past its 20)
     with pytest.raises(ValueError, match="max_factor must be > 0, got 0.0"):
         capped.transition(capped_state, *stats, scale=8, max_factor=0.0)
 

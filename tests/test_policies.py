@@ -49,6 +49,21 @@ def adam_statistics_from_the_first_step():
     hvd_scale.policies.AdaScaleAdam.MIN_ADAM_HISTORY = saved
 
 
+@pytest.fixture(autouse=True, scope="module")
+def adascale_without_warm_in():
+    """The mechanics tests here compare the gain with the estimator's from step 1; AdaScale's
+    warm-in (the young estimates' gain held toward 1) is tested on its own below (``warm_in``)."""
+    saved = hvd_scale.estimate.WARM_IN_Z
+    hvd_scale.estimate.WARM_IN_Z = 0.0
+    yield
+    hvd_scale.estimate.WARM_IN_Z = saved
+
+
+@pytest.fixture
+def warm_in(monkeypatch):
+    monkeypatch.setattr(hvd_scale.estimate, "WARM_IN_Z", 2.0)
+
+
 def test_registry_is_what_the_reference_lists():
     # The reference's rules, and the practitioners' (the seed's experiment).
     assert set(available_policies()) == {"none", "linear", "sqrt", "warmup", "adascale",
@@ -383,6 +398,84 @@ def test_adascale_first_step_by_hand():
     _, info = policy.transition(policy.init(), 8.0, 1.25, 4, scale=4)
     assert info.gain == pytest.approx(1.6, rel=1e-15)
     assert info.lr_factor == info.gain and info.progress == info.gain
+
+# -- the warm-in: the first steps' gains from young estimates ---------------------------------------
+
+def _low_rank_steps(rng, steps, workers=2, passes=8):
+    """Per-step statistics of W x k Gaussian micro-gradients g = mu + e at S = W k, noise of low
+    rank (eigenvalues 0.7, 0.3 of a baseline batch's covariance, sigma2 = 1), mu2 = 0.2 at 45
+    degrees to the first: (per-worker sqnorm_sum, per-pass sqnorm_sum, mean_sqnorm) per step, and
+    the true gain (benchmarks/warm_in.py's setting)."""
+    scale = workers * passes
+    lam, mu = np.array([0.7, 0.3, 0.0]), math.sqrt(0.1) * np.array([1.0, 0.0, 1.0])
+    g = rng.standard_normal((steps, workers, passes, 3)) * np.sqrt(lam) + mu  # (n / S) C = C
+    sums = g.sum(axis=2)
+    per_worker = np.sum(sums * sums, axis=(2, 1)) / passes       # sum_w |G_w|^2 / k_w
+    per_pass = np.sum(g * g, axis=(3, 2, 1))
+    mean = g.mean(axis=(1, 2))
+    true_gain = (1.0 + 0.2) / (1.0 / scale + 0.2)
+    return per_worker, per_pass, np.sum(mean * mean, axis=1), true_gain
+
+
+@pytest.mark.parametrize("spec", ["adascale", "adascale_adam"])
+@pytest.mark.parametrize("samples", ["workers", "passes"])
+def test_adascale_first_steps_never_apply_far_more_than_the_true_gain(spec, samples, warm_in):
+    # W 2 x k 8, noise of low rank: the first steps' estimates average one to a few noisy steps.
+    # Before the warm-in step 1 applied more than 1.5 x the true gain in ~25% of runs (up to
+    # S = 16); it must stay within x 1.5 above in >= 95% of runs at each of the first 50 steps,
+    # and be within x 1.5 of the truth both ways by step 50 (the warm-in ends).
+    runs_, steps, scale = 200, 50, 16
+    applied = np.empty((runs_, steps))
+    for run in range(runs_):
+        per_worker, per_pass, q, true_gain = _low_rank_steps(np.random.default_rng(run), steps)
+        policy, state = make_policy(spec), None
+        state = policy.init()
+        for t in range(steps):
+            s, n_samples = (per_worker[t], 2) if samples == "workers" else (per_pass[t], None)
+            state, info = policy.transition(state, s, q[t], 16, scale=scale, samples=n_samples)
+            applied[run, t] = info.gain
+    above = np.mean(applied > 1.5 * true_gain, axis=0)
+    assert above.max() <= 0.05, f"steps whose gain > 1.5 x true in > 5% of runs: {above.round(2)}"
+    last = applied[:, -1] / true_gain
+    assert np.mean((last >= 1 / 1.5) & (last <= 1.5)) >= 0.95
+    assert np.all(applied >= 1.0)
+
+
+def test_adascale_warm_in_ends_where_the_ema_reaches_its_horizon_and_is_off_without_one(warm_in):
+    # The warm-in takes off the young EMA's excess uncertainty only: once the EMA holds about its
+    # horizon's samples, and at every step without smoothing (smoothing=0: the user asked for
+    # each step's own estimate), the gain applied is the estimator's.
+    steady = make_policy("adascale")
+    state = steady.init()
+    for _ in range(300):
+        state, info = steady.transition(state, [24.0], [1.25], 16, scale=16, samples=2)
+    est = steady.estimator(state, 16)
+    assert info.gain == gain_ratio(est.group_sigma2, est.group_mu2, 16) == pytest.approx(4.0)
+    plain = make_policy("adascale:smoothing=0")
+    _, info = plain.transition(plain.init(), 8.0, 1.25, 4, scale=4)
+    assert info.gain == pytest.approx(1.6, rel=1e-15)
+
+
+def test_adascale_warm_in_follows_the_estimates_uncertainty_not_a_count(warm_in):
+    # After the same number of steps, estimates dominated by the signal (mu2 >> sigma2 / S: q
+    # holds little noise) are applied more nearly whole than noise-dominated ones; both grow
+    # toward the estimator's gain step by step, never above it.
+    def gains(sqnorm_sum, mean_sqnorm, steps):
+        policy = make_policy("adascale")
+        state, out = policy.init(), []
+        for _ in range(steps):
+            state, info = policy.transition(state, sqnorm_sum, mean_sqnorm, 16, scale=16)
+            est = policy.estimator(state, 16)
+            out.append((info.gain, gain_ratio(est.group_sigma2, est.group_mu2, 16)))
+        return out
+    signal = gains(40.0, 1.0, 5)     # sigma2 = 1.6, mu2 = 0.9: raw gain 2.5
+    noise = gains(241.0, 1.0, 5)     # sigma2 = 15, mu2 = 0.06: raw gain 15
+    for series in (signal, noise):
+        assert all(1.0 <= g <= r for g, r in series)
+        assert all(a[0] < b[0] for a, b in zip(series, series[1:]))
+    (g_signal, r_signal), (g_noise, r_noise) = signal[-1], noise[-1]
+    # step 5: 39% of r - 1 against 26%; the noise-dominated one is also the larger r
+    assert (g_signal - 1) / (r_signal - 1) > 1.3 * (g_noise - 1) / (r_noise - 1)
 
 
 def test_adascale_at_scale_one_is_baseline_sgd():
