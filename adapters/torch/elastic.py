@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import horovod.torch as hvd
 
-from .horovod import DistributedOptimizer
+from .horovod import DistributedOptimizer, broadcast_optimizer_state
 
 
 def _elastic_handler():
@@ -20,7 +20,7 @@ def _elastic_handler():
     class ScaledOptimizerStateHandler(elastic_state.OptimizerStateHandler):
         def sync(self):
             opt = self.value
-            hvd.broadcast_optimizer_state(opt._hvd_opt, root_rank=0)
+            broadcast_optimizer_state(opt, 0)  # a fresh optimizer takes no step (a single worker's)
             opt.sync_run(0)  # the whole record: a joining worker takes tau, k, the estimates
 
     registry = elastic_state.get_handler_registry()

@@ -349,5 +349,37 @@ def broadcast_state(model: torch.nn.Module, optimizer, root_rank: int = 0) -> No
                         "wrapping the optimizer (Horovod's scripts broadcast before wrapping; "
                         "with hvd_scale the optimizer's run record is broadcast too)")
     hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
-    hvd.broadcast_optimizer_state(optimizer._hvd_opt, root_rank=root_rank)
+    broadcast_optimizer_state(optimizer, root_rank)
     optimizer.sync_run(root_rank)
+
+
+def broadcast_optimizer_state(optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
+    """The torch optimizer's state and options from root_rank, as a single worker's would be.
+
+    Horovod's ``broadcast_optimizer_state`` creates a missing state by a step on zero gradients:
+    on a fresh optimizer every rank took it, and Adam counted it (t = 1 before its first update,
+    AdamW decayed the weights once), one step ahead of the same script in one process or under
+    torchrun. Where root_rank has no state every rank now takes that (none, and the root's
+    options), and no step is taken; where it has one, Horovod's broadcast overwrites the state a
+    fresh rank's zero step created, and that rank's weights (which AdamW's decay or SGD's
+    weight_decay moved) and gradients (zeros) are put back as they were."""
+    inner = optimizer._hvd_opt
+    root = hvd.broadcast_object(
+        {"state": any(inner.state.values()),
+         "options": [{k: v for k, v in group.items() if k != "params"}
+                     for group in inner.param_groups]},
+        root_rank=root_rank, name="hvd_scale.optimizer_state")
+    if not root["state"]:
+        inner.state.clear()
+        for group, options in zip(inner.param_groups, root["options"]):
+            group.update(options)
+        return
+    params = [p for group in inner.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    weights = None if any(inner.state.values()) else [p.detach().clone() for p in params]
+    hvd.broadcast_optimizer_state(inner, root_rank=root_rank)
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.grad = grads[i]
+            if weights is not None:
+                p.copy_(weights[i])

@@ -50,7 +50,7 @@ def run_torch(k, adam=False, samples="auto"):
     import horovod.torch as hvd
     import torch
 
-    from hvd_scale.adapters.torch import DistributedOptimizer
+    from hvd_scale.adapters.torch import DistributedOptimizer, broadcast_state
 
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
@@ -63,6 +63,8 @@ def run_torch(k, adam=False, samples="auto"):
     opt = DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                policy="adascale_adam" if adam else "adascale",
                                backward_passes_per_step=k, samples=samples)
+    if adam:  # as the docs show; a fresh Adam's state after it is a single worker's (no step)
+        broadcast_state(model, opt)
     rows = []
     for step in range(ADAM["steps"] if adam else STEPS):
         opt.zero_grad()
