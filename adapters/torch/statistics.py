@@ -419,11 +419,13 @@ class Statistics:
     def _skipped_by_scaler(self) -> None:
         """The step the scaler skipped: its gathered statistics dropped, counted skipped."""
         step = self._step
-        if self.engine == "ddp":  # the statistics went out with the last bucket, in backward
-            handle, step.stats_handle = step.stats_handle, None
-            self._drop(handle)
-        elif step.synchronized:  # Horovod: synchronize() ran (the scaler's unscale_ needs it)
-            step.synchronized, step.pending, step.count = False, None, None
-        else:  # the scaler read the gradients before Horovod averaged them: not ours to count
+        if self.engine != "ddp" and not step.synchronized:
+            # Horovod without synchronize() first: the scaler read the gradients before they
+            # were averaged (its idiom synchronizes first); not ours to count.
             return
+        # DDP sent the statistics with the last bucket, in backward; Horovod (and DDP's
+        # synchronize()) gathered them: either way the step never consumed them.
+        handle, step.stats_handle = step.stats_handle, None
+        self._drop(handle)
+        step.synchronized, step.pending, step.count = False, None, None
         self.scaling.skip()
