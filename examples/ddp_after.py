@@ -8,9 +8,11 @@ of a single worker (the tutorial never scaled it): the policy multiplies it at e
 """
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (imported by DDP: before init_process_group)
 import torch.nn as nn
 import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -52,6 +54,11 @@ def demo_basic(steps):
         print(f"final loss {loss.item():.8f}", flush=True)
         print(f"{optimizer.policy.spec} at S = {optimizer.scale:g}: {optimizer.steps} steps, "
               f"tau {optimizer.progress:.2f}, gain {optimizer.gain:.3f}", flush=True)
+    # The process group is freed by destroy_process_group(), not during the interpreter's exit,
+    # where a Gloo thread still busy aborts the process (docs/troubleshooting.md): DDP's last
+    # references to it go first, and torch.distributed.nn, imported above, holds none.
+    del ddp_model, optimizer
+    gc.collect()
     dist.destroy_process_group()
     print(f"Finished running basic DDP example on rank {rank}.")
 

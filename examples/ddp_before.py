@@ -9,9 +9,11 @@ own batches of 20 inputs and labels, as the tutorial's torch.randn.
 """
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (imported by DDP: before init_process_group)
 import torch.nn as nn
 import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -49,6 +51,11 @@ def demo_basic(steps):
         optimizer.step()
     if rank == 0:
         print(f"final loss {loss.item():.8f}", flush=True)
+    # The process group is freed by destroy_process_group(), not during the interpreter's exit,
+    # where a Gloo thread still busy aborts the process (docs/troubleshooting.md): DDP's last
+    # references to it go first, and torch.distributed.nn, imported above, holds none.
+    del ddp_model, optimizer
+    gc.collect()
     dist.destroy_process_group()
     print(f"Finished running basic DDP example on rank {rank}.")
 
