@@ -118,8 +118,10 @@ def test_a_lost_node_restarts_the_survivor_at_world_size_one_from_the_checkpoint
         assert row["world"] == 1 and row["scale"] == PASSES and row["lr"] == resumed["lr"]
         assert row["progress"] == pytest.approx(tau + row["gain"], rel=1e-12)
         tau = row["progress"]
-    for row in steps:  # every step's lr factor: adascale's gain at that step's S
-        assert row["lr_factor"] == pytest.approx(_gain(row), rel=1e-9), row
+    for row in steps:  # every step's lr factor: adascale's gain at that step's S, which its
+        # warm-in holds toward 1 while the estimates are young (docs/policies.md)
+        assert row["lr_factor"] == pytest.approx(row["gain"], rel=1e-12), row
+        assert 1 <= row["gain"] <= _gain(row) * (1 + 1e-9), row
     assert 1 < after[0]["gain"] < PASSES  # measured at S = 2 from the passes
     # Every step at one worker measured (#58 item 1: what the statistics read follows the
     # layout, per pass at one worker): the estimates move at each step after the restart.
