@@ -74,7 +74,8 @@ def test_the_default_run_is_the_one_process_truth(results):
     default = ranks_agree(results, "default")
     same(default, results["reference"][0], "default DDP vs one process", RTOL64)
     gains = [row["gain"] for row in default["rows"]]
-    assert 1.2 < min(gains) and max(gains) < 1.9, gains  # measured, not a bound (S = 2)
+    # measured, not a bound (S = 2; adascale's warm-in holds the first steps' toward 1)
+    assert 1.01 < min(gains) and max(gains) < 1.9, gains
     assert default["scale"] == 2.0
 
 
@@ -150,7 +151,7 @@ def test_adascale_adam_preconditioned_statistics_under_ddp_options(results, case
     buckets, bucket views, two groups) give the default run's gains; measured from step 21 on."""
     default = ranks_agree(results, "adam_default")
     gains = [row["gain"] for row in default["rows"]]
-    assert gains[:20] == [1.0] * 20 and min(gains[20:]) > 1.05, gains
+    assert gains[:20] == [1.0] * 20 and min(gains[20:]) > 1.01, gains  # (held by the warm-in)
     got = ranks_agree(results, case)
     for key in STATS:
         np.testing.assert_allclose([row[key] for row in got["rows"]],

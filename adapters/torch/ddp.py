@@ -368,15 +368,6 @@ class DistributedOptimizer(TorchOptimizer):
                 "(it skips a non-finite step itself)")
         self.scaling.skip()
 
-    def _skipped_by_scaler(self) -> None:
-        """A step the GradScaler skipped: its statistics (finished at its backward pass, or
-        still in flight) dropped, counted skipped."""
-        step = self._step
-        handle, step.stats_handle = step.stats_handle, None
-        self._drop(handle)
-        step.synchronized, step.pending, step.count = False, None, None
-        self.scaling.skip()
-
     # -- the Horovod protocol -------------------------------------------------------------------
     def synchronize(self) -> None:
         """As Horovod's: wait for the step's statistics and make p.grad the mean of the step's
