@@ -1,4 +1,4 @@
-"""Every change of k or S, in every framework, as a matrix (issue #47).
+"""Every change of k or S, in every framework, as a matrix (issues #47, #58).
 
 The bugs this matrix is for lived where two features meet, each passing its own tests. One
 harness (tests/workers/transitions_worker.py) runs the cells
@@ -9,21 +9,55 @@ harness (tests/workers/transitions_worker.py) runs the cells
        broadcast_state (with k fixed, and with k adapted before it: rank 0 loads k = 4, the
        others start at 2), a resume at another world size, a short step, hvd.join, a
        non-finite step on one rank} x {none, warmup, adascale, adascale_adam}
-    x {measured, unmeasured (measure=False)}
+    x {measured, unmeasured (measure=False)}, every pass read (samples="passes")
+    + {adapt, short, join, checkpoint, resume} x {adascale, adascale_adam} measured at the
+      default samples (from two workers on: each worker's sum read once, samples="workers")
 
-under ``horovodrun -np 2`` and as the one-process reference fed the same micro-batches
-(``--simulate 2``), and one process at W = 1 (``RUNS``: within CI's time, Keras on torch runs
-fit only, Keras's custom loop the changes whose code is its own, Keras none for warmup too, and
-the one-process cells and the resume at another world size are a subset where Keras's paths are
-the same), and asserts for every cell: no crash on a documented path; a
-refused path refused on every rank, naming the cause, alike in the reference; every rank's
-weights and run record identical; each step's lr factor, tau, S, n = W x k and skip count equal
-to the reference's, and the weights too; and, independently of the code under test, tau's advance
-against the micro-batches the schedule took (a fixed rule's step: its own S; AdaScale's: a gain in
-[1, S]; a skipped step: none). An elastic grow and shrink needs horovodrun's elastic
-mode with a host-discovery script: its cells are tests/test_elastic.py's (torch and Keras, tau
-and the lr continuous across 2 -> 1 -> 2), not repeated here. Cells that cannot run say why in the
-harness (``CANNOT``), never by absence.
+under ``horovodrun -np 2`` (torchrun for DDP) and in one process at W = 1 (``RUNS``: within CI's
+time, Keras on torch runs fit only, Keras's custom loop the changes whose code is its own, Keras
+none for warmup too, and the one-process cells and the resume at another world size a subset
+where Keras's paths are the same). adascale_adam's warm-in is cut to 2 steps in the cells
+(``transitions_worker.WARM_IN``) and its cap to max_gain=1.5, so that its gain, sqrt(r), beta^r,
+eps / sqrt(r), the cap and the preconditioned statistics are all reached within 6 steps.
+
+Every cell is compared with an independent reference (tests/workers/_reference.py,
+``CellModel``): numpy recomputing, from the micro-batches each rank took and the formulas in the
+docs, without calling hvd_scale, the gradients, the statistics (per pass, or per worker), the
+estimator's sigma2 / mu2 and the gain, each step's lr factor and tau (a fixed rule's S, a short
+step's own S, AdaScale's r), SGD's momentum (torch's or Keras's form) or Adam's moments at
+beta^r and its bias correction by tau, and which layouts must be refused. A cell that runs must
+match it step by step (lr factor, tau, S, n = W k, skips) and in its final weights and optimizer
+state, every rank alike. A cell the reference refuses must be refused on every rank, after the
+same steps, with a message naming the bad S and its cause, and with nothing applied: every
+rank's weights, tau, lr and optimizer state those of the reference before the refusal.
+
+Cells that cannot run say why in the harness (``CANNOT``), never by absence. An elastic grow and
+shrink (2 -> 1 -> 2 workers) needs horovodrun's elastic mode with a host-discovery script: those
+cells are tests/test_elastic.py's, not repeated here (see the issue's report).
+
+What each kind of cell catches, shown by breaking the code on purpose once per kind (on a copy
+of the tree, /tmp/sabotage, run with its own hvd_scale on PYTHONPATH; never in the shared tree).
+The cells that failed, of one framework's matrix (np 2, one process, resume):
+
+    apply       policies.AdaScaleAdam.rule_factor: sqrt(r) dropped (lr x r)            [torch/ddp]
+                16 cells: every measured adascale_adam cell whose gain passed 1 (steady,
+                adapt, adapt_checkpoint, set_passes, checkpoint, short, nonfinite, resume;
+                per pass and per worker; np 2 and one process)
+    adapt       run.relayout: S kept when k changes (u not kept)                       [torch/ddp]
+                30 cells: every adapt, adapt_checkpoint and set_passes cell that runs, np 2
+                and one process, per pass and per worker
+    short       run.host_step: a short step at the full S, not u n                    [torch/ddp]
+                13 cells: every short cell that runs (none, warmup, adascale, adascale_adam;
+                per pass and per worker; np 2 and one process)
+    join        torch statistics: a joined rank's zeros averaged in (n not counted)    [torch]
+                8 cells: every join cell (4 policies x measured/unmeasured, per worker too)
+    checkpoint  core.Scaling.broadcast: the root's record taken on the root only       [torch]
+                CHECKPOINT
+    resume      run.restored: the estimates dropped when the layout moved              [torch/ddp]
+                8 cells: the resume at another world size (adascale, adascale_adam, per pass
+                and per worker) and adapt_checkpoint (its saved k = 4 taken at k = 2)
+    refused     run.check_layout: the measure=False refusal removed                    [torch/ddp]
+                REFUSED
 """
 
 from __future__ import annotations
@@ -35,36 +69,50 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hvdrun import (WORKERS_DIR, free_port, requires_horovod, run_horovod, run_torchrun,
                     worker_results)
 
+sys.path.insert(0, str(WORKERS_DIR))
+import _reference  # noqa: E402  (tests/workers: the independent reference)
+import transitions_worker as harness  # noqa: E402  (the cells' schedule and micro-batches)
+
 WORKER = WORKERS_DIR / "transitions_worker.py"
 FRAMEWORKS = {"torch": ("torch", None), "torch/ddp": ("ddp", None),
               "keras/tensorflow": ("keras", "tensorflow"), "keras/torch": ("keras", "torch")}
 # What each framework runs, within CI's time (a Keras cell costs ~2 s, its model traced anew):
-# the loops; the one-process (np 1) cells beside the reference (itself one process); whether the
-# resume at another world size runs (Keras's record travels the same on both backends); the
-# policies (Keras's traced step takes every fixed rule's factor from the host alike: none stands
-# for warmup there, whose ramp is the engine's, tested with torch and in tests/test_policies.py).
+# the loops; the one-process (np 1) cells; whether the resume at another world size runs (Keras's
+# record travels the same on both backends); the policies (Keras's traced step takes every fixed
+# rule's factor from the host alike: none stands for warmup there, whose ramp is the engine's,
+# tested with torch and in tests/test_policies.py); the changes also run at the default samples.
 RUNS = {"torch": {"loops": "custom", "alone": None, "resume": True, "custom": None,
-                  "policies": "none,warmup,adascale,adascale_adam"},
+                  "policies": "none,warmup,adascale,adascale_adam",
+                  "workers": "adapt,short,join,checkpoint,resume"},
         # torch under torchrun (DDP): the torch cells, a rank's passes but its last under no_sync.
         "torch/ddp": {"loops": "custom", "alone": None, "resume": True, "custom": None,
-                      "policies": "none,warmup,adascale,adascale_adam"},
+                      "policies": "none,warmup,adascale,adascale_adam",
+                      "workers": "adapt,short,checkpoint,resume"},
         # The custom loop's own paths: eager apply calls, adapt_passes by hand, a checkpoint of
         # an adapted k, a non-finite step outside fit; the rest are fit's code.
         "keras/tensorflow": {"loops": "fit,custom", "alone": "steady,set_passes,adapt",
                              "resume": True,
                              "custom": "steady,adapt,adapt_checkpoint,nonfinite",
-                             "policies": "none,adascale,adascale_adam"},
+                             "policies": "none,adascale,adascale_adam",
+                             "workers": "adapt,checkpoint,resume"},
         "keras/torch": {"loops": "fit", "alone": "steady,set_passes,adapt", "resume": False,
-                        "custom": None, "policies": "none,adascale,adascale_adam"}}
+                        "custom": None, "policies": "none,adascale,adascale_adam",
+                        "workers": "adapt,checkpoint"}}
 POLICIES = ("none", "warmup", "adascale", "adascale_adam")
-CHANGES = ("steady", "adapt", "set_passes", "checkpoint", "adapt_checkpoint", "short", "join",
-           "nonfinite", "resume")
+CHANGES = harness.CHANGES
+# Relative tolerances against the reference: torch computes in float64 throughout; Keras holds
+# its optimizer's lr, momentum and betas as float32 (0.05 and 0.9 rounded: ~1e-7 a step, 4e-7
+# after 6; on TensorFlow 1 - beta2 = 1 - float32(0.999) is 1.3e-5 off, which Adam's v carries:
+# V_TOLS), far below what a wrong S, gain or beta moves (>= 1e-3 in the sabotages below).
 TOL = 1e-7
+TOLS = {"keras": 1e-5}
+V_TOLS = {"keras": 1e-4}
 
 
 def _env(backend):
@@ -107,125 +155,199 @@ def matrix(request, tmp_path_factory):
             return run_torchrun(args[1:], nproc=2, timeout=timeout, env=_env(backend))
         return run_horovod(args, np=2, timeout=timeout, env=_env(backend))
 
-    both = _by_cell(worker_results(job(base, 900)))
+    both = _by_cell(worker_results(job(base + ["--workers-cells", runs["workers"]], 900)))
     alone = _by_cell(_one_process(framework, backend, *base[4:],
                                   *(["--cells", runs["alone"]] if runs["alone"] else [])))
-    reference = _by_cell(_one_process(framework, backend, *base[4:], "--simulate", "2"))
     resumed = {}
     if runs["resume"]:
         # A resume at another world size: saved by an np 2 job after step 3, resumed by one
         # process taking both ranks' micro-batches (k doubled: the same S).
         first = _by_cell(worker_results(job(
-            base + ["--cells", "resume", "--save", str(tmp), "--stop-after", "3"], 600)))
+            base + ["--cells", "resume", "--workers-cells", "resume", "--save", str(tmp),
+                    "--stop-after", "3"], 600)))
         second = _by_cell(_one_process(framework, backend, *base[4:], "--cells", "resume",
-                                       "--simulate", "2", "--load", str(tmp),
-                                       "--start-step", "4"))
+                                       "--workers-cells", "resume", "--simulate", "2",
+                                       "--load", str(tmp), "--start-step", "4"))
         resumed = {cell: (ranks, second.get(cell)) for cell, ranks in first.items()}
-    return request.param, both, alone, reference, resumed
+    return request.param, both, alone, resumed
 
 
-def _close(a, b):
-    return all(math.isclose(x, y, rel_tol=TOL, abs_tol=TOL) or (math.isnan(x) and math.isnan(y))
-               for x, y in zip(a, b)) and len(a) == len(b)
+# -- the reference ------------------------------------------------------------------------------
+
+def reference(cell, initial, workers, resumed=False):
+    """What the cell must do, by ``_reference.CellModel``: ("ok", rows, model) or ("refused",
+    rows, model, refusal). ``workers``: W of the job; ``resumed``: steps from 4 on in one process
+    taking both ranks' micro-batches (W = 1, k doubled)."""
+    framework, _, change, policy, measured, samples = cell
+    layout = "keras" if framework == "keras" else "torch"
+    adam = policy == "adascale_adam"
+    model = _reference.CellModel(
+        _reference.to_params(initial, layout), policy=policy, measured=measured,
+        convention=layout, lr=harness.LR * (0.1 if adam else 1.0),
+        eps=1e-7 if layout == "keras" else 1e-8, span=8.0, warm_in=harness.WARM_IN,
+        max_gain=harness.MAX_GAIN,
+        adapt=change in ("adapt", "adapt_checkpoint") or (framework == "keras" and
+                                                           change == "set_passes"))
+    rows = []
+    try:
+        for step in range(1, harness.STEPS + 1):
+            k = harness.k_schedule(change, step)
+            ranks = [harness.passes_of(change, step, r, k, workers) for r in range(workers)]
+            poison = {i for i in range(workers * k) if harness.poisoned(change, step, i, workers, k)}
+            if resumed and step > 3:  # one process: both ranks' passes as its own, W = 1
+                ranks, layout_w, layout_k = [[i for r in ranks for i in r]], 1, k * workers
+            else:
+                layout_w, layout_k = workers, k
+            model.relayout(layout_w, layout_k, applied=step - 1)
+            batches = [[harness.micro(step, i, i in poison) for i in r] for r in ranks]
+            rows.append(model.step(batches, samples if layout_w >= 2 else "passes"))
+    except _reference.Refusal as refusal:
+        return "refused", rows, model, refusal
+    return "ok", rows, model, None
 
 
-def _advance_problem(cell, rows, tau=0.0, skipped=0):
-    """tau's advance checked against the micro-batches the schedule says were taken (u = 1
-    baseline batch each), independently of the code under test: a skipped step moves nothing;
-    a fixed rule's step advances by its own S = n taken (a short step: fewer); AdaScale's by a
-    gain in [1, n taken]."""
-    for i, (_, after, _, _, skips, taken) in enumerate(rows):
-        advance = after - tau
-        if skips > skipped:
-            ok = advance == 0
-        elif cell[3] in ("none", "warmup"):
-            ok = math.isclose(advance, taken, rel_tol=1e-12)
-        else:
-            ok = 1 - 1e-9 <= advance <= taken + 1e-9
-        if not ok:
-            return f"{cell}: step {i + 1} advanced tau by {advance:g} with {taken} micro-batches"
-        tau, skipped = after, skips
+def _close(a, b, tol=TOL):
+    a = [] if a is None else list(np.asarray(a, dtype=np.float64).ravel())
+    b = [] if b is None else list(np.asarray(b, dtype=np.float64).ravel())
+    return len(a) == len(b) and all(
+        math.isclose(x, y, rel_tol=tol, abs_tol=1e-9) or (math.isnan(x) and math.isnan(y))
+        for x, y in zip(a, b))
+
+
+def _state_problem(got, model, layout, lr, tol=TOL, v_tol=TOL):
+    """Where ``got`` (a worker's weights, tau, lr and optimizer state) is not ``model``'s."""
+    if not got or "error" in got:
+        return f"no state reported: {got}"
+    flat = lambda tensors: _reference.to_flat(tensors, layout)  # noqa: E731
+    zeros = np.zeros_like(flat(model.params))
+    if not _close(got["weights"], flat(model.params), tol):
+        return "weights differ from the reference's"
+    if not math.isclose(got["tau"], model.tau, rel_tol=tol, abs_tol=1e-12):
+        return f"tau {got['tau']} against the reference's {model.tau}"
+    if any(not math.isclose(x, lr, rel_tol=max(tol, 1e-12)) for x in got["lrs"]):
+        return f"the lr left is {got['lrs']}, the user's is {lr}"
+    for key, expected in (("buf", model.buf), ("v", model.v if model.adam else None)):
+        if expected is None:
+            continue
+        value = got[key] if got[key] is not None else zeros  # not built yet: zeros
+        if not _close(value, flat(expected), tol if key == "buf" else v_tol):
+            return f"the optimizer's {'momentum' if key == 'buf' else 'v'} differs from the reference's"
     return None
 
 
-def _same_rows(rows, expected):
-    return len(rows) == len(expected) and all(_close(r, e) for r, e in zip(rows, expected))
+def _rows_problem(rows, expected, tol=TOL):
+    """Each step's (lr factor, tau, S, n, skipped) against the reference's; S and n as the
+    layout of that step or, where adapt changed k inside the step (torch's step, fit), of the
+    next: the factor and tau show which S the step took."""
+    got = [r[:5] for r in rows]
+    after = expected[1:] + expected[-1:]
+    if len(got) != len(expected) or not all(
+            _close(r, e, tol) or _close(r, e[:2] + a[2:4] + e[4:], tol)
+            for r, e, a in zip(got, expected, after)):
+        return f"steps (lr factor, tau, S, n, skipped) {got} against the reference's {expected}"
+    return None
+
+
+def check_cell(cell, ranks, workers, resumed_second=None):
+    """The problems of one cell (``ranks``: rank -> its result; ``resumed_second``: the
+    one-process second half of a resume)."""
+    statuses = {r["status"] for r in ranks.values()}
+    if len(statuses) > 1:
+        return [f"ranks differ: {statuses}"]
+    status = statuses.pop()
+    zero = ranks[0]
+    if status == "cannot":
+        framework, change = cell[0], cell[2]
+        allowed = (framework, change) in harness.CANNOT or (change == "join" and workers == 1) \
+            or change == "resume"
+        same = len({r["why"] for r in ranks.values()}) == 1
+        return [] if allowed and same and zero["why"] else [f"cannot: {zero.get('why')}"]
+    layout = "keras" if cell[0] == "keras" else "torch"
+    tol, v_tol = TOLS.get(cell[0], TOL), V_TOLS.get(cell[0], TOL)
+    outcome, expected, model, refusal = reference(cell, zero["initial"], workers,
+                                                  resumed=resumed_second is not None)
+    rows = [row[:5] for row in zero["rows"]]
+    if resumed_second is not None and status == "ok":
+        second = resumed_second[0]
+        if second["status"] != outcome or second["status"] == "cannot":
+            return [f"resumed: {second['status']} ({second.get('why')}), the reference {outcome}"]
+        zero = second
+        rows = rows + [row[:5] for row in second["rows"]]
+    lr = harness.LR * (0.1 if cell[3] == "adascale_adam" else 1.0)
+    problems = []
+    if outcome == "refused":
+        if zero["status"] != "refused":
+            return [f"ran ({zero['status']}), the reference refuses after {refusal.applied} "
+                    f"step(s): {refusal.why}"]
+        for rank, result in sorted(ranks.items()) if resumed_second is None else [(0, zero)]:
+            why = result["why"]
+            # The message names the bad value and what to do.
+            missing = [name for name in refusal.names if name not in why]
+            if missing:
+                problems.append(f"rank {rank}: the refusal ({refusal.why}) does not name "
+                                f"{missing}: {why}")
+            problem = _rows_problem(rows if rank == 0 else
+                                    [row[:5] for row in result["rows"]], expected, tol)
+            if problem:
+                problems.append(f"rank {rank}: before the refusal: {problem}")
+            problem = _state_problem(result["left"], model, layout, lr, tol, v_tol)
+            if problem:
+                problems.append(f"rank {rank}: the refusal applied something: {problem}")
+        return problems
+    if zero["status"] != "ok":
+        return [f"{zero['status']}: {zero.get('why')} (the reference runs)"]
+    if cell[2] != "join" and resumed_second is None:
+        one = ranks[1] if len(ranks) > 1 else ranks[0]
+        if zero["weights"] != one["weights"] or zero["record"] != one["record"] \
+                or zero["rows"] != one["rows"]:
+            problems.append("the ranks' weights, records or steps differ")
+    problem = _rows_problem(rows, expected, tol)
+    if problem:
+        problems.append(problem)
+    problem = _state_problem(zero["final"], model, layout, lr, tol, v_tol)
+    if problem:
+        problems.append(problem)
+    return problems
 
 
 @requires_horovod
 @pytest.mark.timeout(2400)
 def test_every_change_of_k_or_s_in_every_framework(matrix):
-    name, both, alone, reference, resumed = matrix
+    name, both, alone, resumed = matrix
     runs, framework = RUNS[name], FRAMEWORKS[name][0]
     assert set(runs["policies"].split(",")) <= set(POLICIES)
-    expected = {(framework, loop, change, policy, measured)
+
+    def cells(changes, workers_changes):
+        return {(framework, loop, change, policy, measured, "passes")
                 for loop, change, policy, measured in
-                itertools.product(runs["loops"].split(","), CHANGES, runs["policies"].split(","),
-                                  (True, False))
-                if loop != "custom" or not runs["custom"] or change in runs["custom"].split(",")}
-    assert set(both) == expected and set(reference) == expected
-    assert set(alone) == {cell for cell in expected
-                          if runs["alone"] is None or cell[2] in runs["alone"].split(",")}
+                itertools.product(runs["loops"].split(","), changes,
+                                  runs["policies"].split(","), (True, False))
+                if loop != "custom" or not runs["custom"] or change in runs["custom"].split(",")
+                } | {(framework, loop, change, policy, True, "workers")
+                     for loop, change, policy in
+                     itertools.product(runs["loops"].split(","), workers_changes,
+                                       runs["policies"].split(","))
+                     if policy.startswith("adascale") and
+                     (loop != "custom" or not runs["custom"] or change in runs["custom"].split(","))}
+
+    expected = cells(CHANGES, runs["workers"].split(","))
+    assert set(both) == expected
+    assert set(alone) == cells(CHANGES if runs["alone"] is None else runs["alone"].split(","), ())
     assert bool(resumed) == runs["resume"]
     problems, counts = [], {"ok": 0, "refused": 0, "cannot": 0}
     for cell in sorted(expected, key=str):
-        ranks, ref = both[cell], reference[cell][0]
-        statuses = {r["status"] for r in ranks.values()}
-        counts[ranks[0]["status"]] += 1
-        if len(statuses) > 1:
-            problems.append(f"{cell}: ranks differ: {statuses}")
-            continue
-        status = statuses.pop()
-        if status == "cannot":
-            assert ranks[0]["why"] and ranks[1]["why"] == ranks[0]["why"]
-            continue
-        if status == "refused":
-            whys = {r["why"] for r in ranks.values()}
-            if len(whys) > 1 or ref["status"] != "refused":
-                problems.append(f"{cell}: refused unlike the reference or unlike each other: "
-                                f"{whys} / reference {ref.get('why') or ref['status']}")
-            elif not any(word in ranks[0]["why"] for word in ("needs", "cannot", "refus", "not")):
-                problems.append(f"{cell}: the refusal names no cause: {ranks[0]['why']}")
-            continue
-        if ref["status"] != "ok":
-            problems.append(f"{cell}: ran, the reference {ref['status']}: {ref.get('why')}")
-            continue
-        zero, one = ranks[0], ranks[1]
-        if cell[2] != "join":
-            if zero["weights"] != one["weights"] or zero["record"] != one["record"]:
-                problems.append(f"{cell}: the ranks' weights or records differ")
-            if zero["rows"] != one["rows"]:
-                problems.append(f"{cell}: the ranks' steps differ")
-        for rows in (zero["rows"], ref["rows"]):
-            problem = _advance_problem(cell, rows)
-            if problem:
-                problems.append(problem)
-        if not _same_rows(zero["rows"], ref["rows"]):
-            problems.append(f"{cell}: steps (lr factor, tau, S, k, skipped) {zero['rows']} "
-                            f"against the reference's {ref['rows']}")
-        elif not _close(zero["weights"], ref["weights"]):
-            problems.append(f"{cell}: weights differ from the reference's")
+        counts[both[cell][0]["status"]] += 1
+        problems += [f"{cell}: {p}" for p in check_cell(cell, both[cell], workers=2)]
     for cell, result in sorted(alone.items(), key=str):
-        if result[0]["status"] not in ("ok", "refused", "cannot"):
-            problems.append(f"one process {cell}: {result[0]}")
-        if result[0]["status"] == "refused" and "Error" not in result[0]["why"]:
-            problems.append(f"one process {cell}: {result[0]['why']}")
+        problems += [f"one process {cell}: {p}" for p in check_cell(cell, result, workers=1)]
     for cell, (first, second) in sorted(resumed.items(), key=str):
-        ref = reference[cell][0]
-        if first[0]["status"] != "ok" or second is None or second[0]["status"] != "ok":
-            if ref["status"] == "refused" and first[0]["status"] == "refused":
-                continue
-            problems.append(f"resume {cell}: {first[0].get('why')} / "
-                            f"{second and second[0].get('why')}")
+        if first[0]["status"] == "cannot":
             continue
-        rows = first[0]["rows"] + second[0]["rows"]
-        problem = _advance_problem(cell, rows)
-        if problem:
-            problems.append("resume " + problem)
-        if not _same_rows(rows, ref["rows"]):
-            problems.append(f"resume {cell}: {rows} against the uninterrupted {ref['rows']}")
-        elif not _close(second[0]["weights"], ref["weights"]):
-            problems.append(f"resume {cell}: weights differ from the uninterrupted run's")
+        if second is None:
+            problems.append(f"resume {cell}: no resumed result")
+            continue
+        problems += [f"resume {cell}: {p}" for p in check_cell(cell, first, workers=2,
+                                                                 resumed_second=second)]
     print(f"{name}: {json.dumps(counts)}")
-    assert counts["ok"] > counts["refused"]  # the matrix mostly runs: it can fail
-    assert not problems, "\n".join(problems)
+    assert counts["ok"] > counts["refused"]  # the matrix mostly runs
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)

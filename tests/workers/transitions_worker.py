@@ -1,15 +1,19 @@
-"""Every change of k or S, in every framework (issue #47): the cells of tests/test_transitions.py.
+"""Every change of k or S, in every framework (issues #47, #58): the cells of tests/test_transitions.py.
 
-A cell is (loop, change, policy, measured). Each runs a few steps of a small float64 regression,
-changing k or S the way ``change`` says, and reports per step (lr factor, tau, S, k, skipped),
-the final weights and the run's record, or the refusal it met (with whether anything had been
-applied before it). The same script runs under ``horovodrun -np 2``, in one process, and as the
-one-process reference of a W-worker job (``--simulate W``): one process taking, as one step's
-passes, every micro-batch that the W ranks take in that step. A micro-batch is drawn from
-(step, its index among the step's W x k micro-batches), so the reference is fed the same ones.
+A cell is (loop, change, policy, measured, samples). Each runs a few steps of a small float64
+regression, changing k or S the way ``change`` says, and reports its initial weights, per step
+(lr factor, tau, S, n = W k, skipped, micro-batches taken), the final weights, optimizer state
+and run record, or the refusal it met with what it left (the weights, tau, lr and optimizer
+state at that point: the test checks that nothing was applied). The test compares each with an
+independent reference (tests/workers/_reference.py). The same script runs under ``horovodrun
+-np 2``, in one process, and, for the second half of a resume at another world size, as one
+process taking W ranks' micro-batches (``--simulate W``: every micro-batch that the W ranks take
+in a step, as its passes). A micro-batch is drawn from (step, its index among the step's W x k
+micro-batches), so every run is fed the same ones.
 
-    python transitions_worker.py --framework torch|keras [--simulate 2] [--save F --stop-after 3]
-                                 [--load F] [--passes-factor 2] [--cells change,...]
+    python transitions_worker.py --framework torch|keras|ddp [--simulate 2] [--save F
+        --stop-after 3] [--load F] [--passes-factor 2] [--cells change,...]
+        [--workers-cells change,...]
 """
 
 from __future__ import annotations
@@ -27,13 +31,18 @@ from _report import emit_result
 
 STEPS = 6
 LR = 0.05
-# Every pass read: the reference is one process taking the W ranks' passes, which can read each
-# pass but not each rank's sum. The default at two workers (each rank's sum read once) is checked
-# against one-process references that read as it does (tests/workers/_reference.py) in
-# test_ddp.py, test_parity.py, test_torch_adapter.py, test_keras_adapter.py, test_ddp_options.py.
+# The cells' statistics: every pass read (samples="passes"), and, in the cells named by
+# --workers-cells, the default at two workers (samples="auto": each rank's sum read once).
 SAMPLES = "passes"
+# adascale_adam takes its first MIN_ADAM_HISTORY (20) steps at gain 1; in a 6-step cell that
+# would leave the gain, sqrt(r), beta^r, eps / sqrt(r), the cap and the preconditioned statistics
+# unreached. The cells shorten it (a class constant, set here for this process only;
+# tests/workers/_reference.py models the same), and cap the gain at MAX_GAIN: the cells measure
+# r ~ 1.05-1.2 at S = 2 (uncapped) and ~1.6-1.7 at S = 4 (capped).
+WARM_IN = 2
+MAX_GAIN = 1.5
 POLICIES = {"none": "none", "warmup": "warmup:baseline_steps=8", "adascale": "adascale",
-            "adascale_adam": "adascale_adam"}
+            "adascale_adam": f"adascale_adam:max_gain={MAX_GAIN}"}
 CHANGES = ("steady", "adapt", "set_passes", "checkpoint", "adapt_checkpoint", "short", "join",
            "nonfinite", "resume")
 # Cells that cannot run, and why (reported as such, never left out).
@@ -108,9 +117,10 @@ def row(ranks, opt, k, change, step):
 
 # -- torch -------------------------------------------------------------------------------------
 
-def torch_cell(ranks, change, spec, measured, args, engine="horovod"):
+def torch_cell(ranks, change, spec, measured, args, out, engine="horovod", samples=SAMPLES):
     """torch under Horovod, or under torch.distributed (``engine="ddp"``: the model in
-    DistributedDataParallel, a rank's passes but its last under ``no_sync()``)."""
+    DistributedDataParallel, a rank's passes but its last under ``no_sync()``). ``out``: the
+    cell's report, filled as it goes (rows; "initial" weights; "state", what a refusal left)."""
     import contextlib
 
     import torch
@@ -133,34 +143,52 @@ def torch_cell(ranks, change, spec, measured, args, engine="horovod"):
         wrapped = DistributedDataParallel(model) if engine == "ddp" else model
         inner = (torch.optim.Adam(model.parameters(), lr=LR * 0.1) if spec.startswith("adascale_adam")
                  else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+        out.setdefault("initial", weights(model))
+        out["state"] = lambda: torch_state(model, inner, None)
         # torch's set_passes needs no adapt where k starts >= 2
         adapt = change in ("adapt", "adapt_checkpoint")
         where = {"model": wrapped} if engine == "ddp" else \
             {"named_parameters": model.named_parameters()}
-        opt = DistributedOptimizer(inner, **where, policy=spec, samples=SAMPLES,
+        opt = DistributedOptimizer(inner, **where, policy=spec, samples=samples,
                                    backward_passes_per_step=k_schedule(change, 1) * mult,
                                    measure=measured,
                                    adapt="goodput" if adapt else None,
                                    max_passes=4 * mult if adapt else None,
                                    adapt_every=10 ** 6 if change == "set_passes" else 2)
+        out["state"] = lambda: torch_state(model, opt, opt)
         return model, wrapped, opt
 
     def weights(model):
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
+    def torch_state(model, holder, opt):
+        """What a refusal left: the weights, tau, the groups' lrs, the optimizer's state."""
+        params = list(model.parameters())
+
+        def flat(key):
+            values = [holder.state.get(p, {}).get(key) for p in params]
+            return None if any(v is None for v in values) else \
+                torch.cat([v.reshape(-1) for v in values]).tolist()
+        return {"weights": weights(model), "tau": float(opt.progress) if opt else 0.0,
+                "steps": int(opt.steps) if opt else 0,
+                "lrs": [float(g["lr"]) for g in holder.param_groups],
+                "buf": flat("exp_avg") or flat("momentum_buffer"), "v": flat("exp_avg_sq")}
+
     def quiet(i, indices):  # DDP's accumulation: every pass of the rank's step but its last
         return wrapped.no_sync() if engine == "ddp" and i != indices[-1] else contextlib.nullcontext()
 
     model, wrapped, opt = build()
+    rows = out["rows"]
     if args.load:
-        path = checkpoint_path(args.load, "custom", spec, measured, "pt")
+        path = checkpoint_path(args.load, "custom", spec, measured, "pt", samples)
+        if not os.path.exists(path):  # the first job refused: reported, not a crash
+            raise RuntimeError(f"no checkpoint to resume from: {path}")
         state = torch.load(path, weights_only=False) if ranks.hvd.rank() == 0 else None
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
     broadcast_state(wrapped, opt)
     first = args.start_step
-    rows = []
     for step in range(first, STEPS + 1):
         indices, k = ranks.indices(change, step)
         if change == "join" and not indices:
@@ -189,16 +217,17 @@ def torch_cell(ranks, change, spec, measured, args, engine="horovod"):
         if args.save and step == args.stop_after:
             if ranks.hvd.rank() == 0:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
-                           checkpoint_path(args.save, "custom", spec, measured, "pt"))
+                           checkpoint_path(args.save, "custom", spec, measured, "pt", samples))
             break
     if change == "join" and ranks.hvd.size() > 1:
         hvd.join()
-    return {"rows": rows, "weights": weights(model), "record": opt.scaling.state_dict()}
+    return {"rows": rows, "weights": weights(model), "record": opt.scaling.state_dict(),
+            "final": torch_state(model, opt, opt)}
 
 
 # -- Keras ---------------------------------------------------------------------------------------
 
-def keras_cell(ranks, loop, change, spec, measured, args):
+def keras_cell(ranks, loop, change, spec, measured, args, out, samples=SAMPLES):
     import keras
 
     from hvd_scale.adapters.keras import (BroadcastInitialState, DistributedOptimizer,
@@ -216,8 +245,10 @@ def keras_cell(ranks, loop, change, spec, measured, args):
                                   keras.layers.Dense(1, name="out")], name="model")
         inner = (keras.optimizers.Adam(LR * 0.1, name="inner") if spec.startswith("adascale_adam")
                  else keras.optimizers.SGD(LR, momentum=0.9, name="inner"))
+        out.setdefault("initial", weights_of(model))
+        out["state"] = lambda: keras_state(model, inner, None)
         adapt = change in ("adapt", "adapt_checkpoint", "set_passes")  # Keras: k changes only so
-        opt = DistributedOptimizer(inner, policy=spec, name="hvd_scale", samples=SAMPLES,
+        opt = DistributedOptimizer(inner, policy=spec, name="hvd_scale", samples=samples,
                                    backward_passes_per_step=k_schedule(change, 1) * mult,
                                    measure=measured,
                                    adapt="goodput" if adapt else None,
@@ -225,7 +256,22 @@ def keras_cell(ranks, loop, change, spec, measured, args):
                                    adapt_every=10 ** 6 if change == "set_passes" else 2)
         model.compile(optimizer=opt, loss="mse", jit_compile=False)
         opt.build(model.trainable_variables)
+        out["state"] = lambda: keras_state(model, inner, opt)
         return model, opt
+
+    def keras_state(model, inner, opt):
+        """What a refusal left: the weights, tau, the lr, the optimizer's state."""
+        def flat(variables):
+            return None if not variables else np.concatenate(
+                [np.asarray(keras.ops.convert_to_numpy(v.value)).reshape(-1)
+                 for v in variables]).tolist()
+        built = bool(getattr(inner, "built", False))
+        momenta = (getattr(inner, "_momentums", None) or getattr(inner, "momentums", None)) \
+            if built else None
+        return {"weights": weights_of(model), "tau": float(opt.progress) if opt else 0.0,
+                "steps": int(opt.steps) if opt else 0,
+                "lrs": [float(keras.ops.convert_to_numpy(inner.learning_rate))],
+                "buf": flat(momenta), "v": flat(getattr(inner, "_velocities", None))}
 
     def state_of(model, opt):
         """A checkpoint: every variable by its path (the accumulation variables of another k
@@ -242,10 +288,12 @@ def keras_cell(ranks, loop, change, spec, measured, args):
     model, opt = build()
     if args.load:
         if ranks.hvd.rank() == 0:
-            path = checkpoint_path(args.load, loop, spec, measured, "npy")
+            path = checkpoint_path(args.load, loop, spec, measured, "npy", samples)
+            if not os.path.exists(path):  # the first job refused: reported, not a crash
+                raise RuntimeError(f"no checkpoint to resume from: {path}")
             load(model, opt, np.load(path, allow_pickle=True).item())
     broadcast_state(model, opt)
-    rows = []
+    rows = out["rows"]
 
     def after_step(step):
         """Between steps (both loops): a change by hand, a checkpoint; True: stop."""
@@ -260,7 +308,8 @@ def keras_cell(ranks, loop, change, spec, measured, args):
             broadcast_state(model, opt)
         if args.save and step == args.stop_after:
             if ranks.hvd.rank() == 0:
-                np.save(checkpoint_path(args.save, loop, spec, measured, "npy"), state_of(model, opt),
+                np.save(checkpoint_path(args.save, loop, spec, measured, "npy", samples),
+                        state_of(model, opt),
                         allow_pickle=True)
             return True
         return False
@@ -277,7 +326,8 @@ def keras_cell(ranks, loop, change, spec, measured, args):
                 opt.adapt_passes()
             if after_step(step):
                 break
-        return {"rows": rows, "weights": weights_of(model), "record": record_of(opt)}
+        return {"rows": rows, "weights": weights_of(model), "record": record_of(opt),
+                "final": keras_state(model, opt.inner_optimizer, opt)}
 
     # fit: the batches of each step in order; a callback records rows and makes the changes.
     class Steps(keras.callbacks.Callback):
@@ -312,7 +362,8 @@ def keras_cell(ranks, loop, change, spec, measured, args):
         step = first + len(rows)
         if recorder.stop or len(rows) == before:
             break
-    return {"rows": rows, "weights": weights_of(model), "record": record_of(opt)}
+    return {"rows": rows, "weights": weights_of(model), "record": record_of(opt),
+            "final": keras_state(model, opt.inner_optimizer, opt)}
 
 
 def grads_of(model, x, y, tf_backend):
@@ -338,8 +389,9 @@ def record_of(opt):
     return opt.scaling.state_dict()
 
 
-def checkpoint_path(folder, loop, spec, measured, suffix):
-    return os.path.join(folder, f"{loop}-{spec.replace(':', '_')}-{measured}.{suffix}")
+def checkpoint_path(folder, loop, spec, measured, suffix, samples=SAMPLES):
+    name = f"{loop}-{spec.replace(':', '_').replace('=', '_')}-{measured}-{samples}"
+    return os.path.join(folder, f"{name}.{suffix}")
 
 
 # -- the cells -------------------------------------------------------------------------------------
@@ -391,7 +443,12 @@ def main():
     parser.add_argument("--load", default=None)
     parser.add_argument("--start-step", type=int, default=1)
     parser.add_argument("--passes-factor", type=int, default=1)
+    parser.add_argument("--workers-cells", default="",
+                        help="changes also run at the default samples (per worker from W = 2), "
+                             "measured, with the AdaScale policies")
     args = parser.parse_args()
+    from hvd_scale.policies import AdaScaleAdam
+    AdaScaleAdam.MIN_ADAM_HISTORY = WARM_IN
     if args.framework == "torch":
         import horovod.torch as hvd
         loops = ["custom"]
@@ -408,33 +465,48 @@ def main():
         changes = args.cells.split(",")
         if loop == "custom" and args.custom_cells:
             changes = [c for c in changes if c in args.custom_cells.split(",")]
-        for change in changes:
-            for name in args.policies.split(","):
-                for measured in (True, False):
-                    cell = [args.framework, loop, change, name, measured]
-                    why = CANNOT.get((args.framework, change))
-                    if why is None and change == "join" and ranks.workers == 1:
-                        why = "hvd.join needs 2 workers"
-                    if why is None and change == "resume" and not (args.save or args.load
-                                                                   or args.simulate):
-                        why = "runs as two jobs (tests/test_transitions.py: save, then resume)"
-                    if why:
-                        emit_result(rank=hvd.rank(), cell=cell, status="cannot", why=why)
-                        continue
-                    try:
-                        if args.framework in ("torch", "ddp"):
-                            out = torch_cell(ranks, change, POLICIES[name], measured, args,
-                                             engine="ddp" if args.framework == "ddp" else "horovod")
-                        else:
-                            out = keras_cell(ranks, loop, change, POLICIES[name], measured, args)
-                        status = {"status": "ok", **out}
-                    except (ValueError, RuntimeError, FloatingPointError) as e:
-                        status = {"status": "refused", "why": f"{type(e).__name__}: {e}",
-                                  "where": traceback.format_exc(limit=-3)}
-                    # Every rank meets here: a rank that failed alone would show as a hang.
-                    if hvd.size() > 1:
-                        hvd.allgather_object(cell, name="transitions.cell")
-                    emit_result(rank=hvd.rank(), cell=cell, **status)
+        runs = [(change, name, measured, "passes") for change in changes
+                for name in args.policies.split(",") for measured in (True, False)]
+        runs += [(change, name, True, "workers") for change in changes
+                 if change in args.workers_cells.split(",")
+                 for name in args.policies.split(",") if name.startswith("adascale")]
+        for change, name, measured, samples in runs:
+            cell = [args.framework, loop, change, name, measured, samples]
+            why = CANNOT.get((args.framework, change))
+            if why is None and change == "join" and ranks.workers == 1:
+                why = "hvd.join needs 2 workers"
+            if why is None and change == "resume" and not (args.save or args.load
+                                                           or args.simulate):
+                why = "runs as two jobs (tests/test_transitions.py: save, then resume)"
+            if why:
+                emit_result(rank=hvd.rank(), cell=cell, status="cannot", why=why)
+                continue
+            report = {"rows": []}
+            chosen = SAMPLES if samples == "passes" else "auto"
+            try:
+                if args.framework in ("torch", "ddp"):
+                    out = torch_cell(ranks, change, POLICIES[name], measured, args, report,
+                                     engine="ddp" if args.framework == "ddp" else "horovod",
+                                     samples=chosen)
+                else:
+                    out = keras_cell(ranks, loop, change, POLICIES[name], measured, args,
+                                     report, samples=chosen)
+                status = {"status": "ok", "initial": report.get("initial"), **out}
+            except (ValueError, RuntimeError, FloatingPointError) as e:
+                # What the refusal left, against which the test checks that nothing
+                # was applied: the steps before it, the weights, tau, lr, state.
+                try:
+                    left = report["state"]() if "state" in report else None
+                except Exception as failed:  # noqa: BLE001 (reported, the test fails)
+                    left = {"error": repr(failed)}
+                status = {"status": "refused", "why": f"{type(e).__name__}: {e}",
+                          "where": traceback.format_exc(limit=-3),
+                          "rows": report["rows"], "initial": report.get("initial"),
+                          "left": left}
+            # Every rank meets here: a rank that failed alone would show as a hang.
+            if hvd.size() > 1:
+                hvd.allgather_object(cell, name="transitions.cell")
+            emit_result(rank=hvd.rank(), cell=cell, **status)
     sys.stdout.flush()
 
 
