@@ -203,12 +203,7 @@ def main(argv=None) -> dict:
     kw = dict(policy=args.policy, backward_passes_per_step=args.accumulate, scale=scale,
               budget=args.budget, adapt=args.adapt, max_passes=args.max_passes)
     if args.engine == "ddp":  # DDP broadcasts the weights when it wraps the model
-        # Horovod's broadcast_state (hvd.broadcast_optimizer_state) makes the optimizer's state
-        # with a step on zero gradients: Adam's step count starts at 1 (its bias correction one
-        # step ahead, the first step ~0.74 x lr). The same here, so that the engines' runs agree.
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        inner.step()
+        # (Both engines start from a fresh Adam: Horovod's broadcast_state takes no step.)
         net = DistributedDataParallel(model)  # trains; model (its module) decodes
         opt = ddp.DistributedOptimizer(inner, net, **kw)
     else:
