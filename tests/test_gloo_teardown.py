@@ -33,12 +33,7 @@ def _probe(script: Path, *args: str, policy: str | None = None):
     return run_torchrun([str(PROBE), str(script), *args], env=env, timeout=150, check=False)
 
 
-# hvd_scale's DDP optimizer registers its bound method as DDP's communication hook: the reducer
-# (C++) holds the hook, the hook the optimizer, the optimizer the DDP model and so the reducer, a
-# cycle the collector cannot see. ddp_after's group lives to the exit until the adapter registers
-# a hook that does not hold the optimizer (a weak reference).
-KNOWN_HELD = {"ddp_after": "hvd_scale's DDP comm hook keeps the DDP model, and so the process "
-                           "group, alive to the exit (a cycle through the C++ reducer)"}
+KNOWN_HELD: dict[str, str] = {}  # a script whose group is known to live to the exit: why
 
 
 @pytest.mark.timeout(240)

@@ -39,6 +39,7 @@ by the group's size before its SUM allreduce, as DDP's default does on NCCL and 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -94,6 +95,22 @@ STATIC_GRAPH_REFUSED = (
     "under no_sync(), with or without hvd_scale. Build the DistributedDataParallel without "
     "static_graph=True (the statistics and weights are the same), or take one backward pass "
     "per step")
+
+
+def _weak_hook(optimizer):
+    """DDP's communication hook calling ``optimizer._comm_hook`` through a weak reference: DDP's
+    reducer (C++) holds the hook, and a hook holding the optimizer, which holds the DDP model,
+    would be a cycle the collector cannot see: the model and its process group would outlive
+    the script, to be freed during the interpreter's exit (docs/troubleshooting.md)."""
+    method = weakref.WeakMethod(optimizer._comm_hook)
+
+    def hook(state, bucket):
+        bound = method()
+        if bound is None:
+            raise RuntimeError("hvd_scale: the DistributedOptimizer of this DDP model was deleted "
+                               "while the model still trains: keep it as long as the model")
+        return bound(state, bucket)
+    return hook
 
 
 class TorchDistributedBinding:
@@ -225,7 +242,7 @@ class DistributedOptimizer(TorchOptimizer):
         self._hook_parameters(kind, few=self._bucketed)
         self._user_hook, self._user_state = hook or allreduce_hook, state
         try:
-            ddp.register_comm_hook(None, self._comm_hook)
+            ddp.register_comm_hook(None, _weak_hook(self))
         except RuntimeError as e:
             for handle in self._hooks:  # a refused optimizer leaves no tensor hook behind
                 handle.remove()
@@ -366,6 +383,15 @@ class DistributedOptimizer(TorchOptimizer):
                 f"backward_passes_per_step={self.backward_passes_per_step}, run the first k - 1 "
                 "passes of a step under model.no_sync(), and call opt.step() after the last "
                 "(it skips a non-finite step itself)")
+        self.scaling.skip()
+
+    def _skipped_by_scaler(self) -> None:
+        """A step the GradScaler skipped: its statistics (finished at its backward pass, or
+        still in flight) dropped, counted skipped."""
+        step = self._step
+        handle, step.stats_handle = step.stats_handle, None
+        self._drop(handle)
+        step.synchronized, step.pending, step.count = False, None, None
         self.scaling.skip()
 
     # -- the Horovod protocol -------------------------------------------------------------------

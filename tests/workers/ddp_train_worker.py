@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -36,6 +37,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (DDP imports it: before init, so it holds no group)
 from torch.nn.parallel import DistributedDataParallel
 
 from _report import emit_result
@@ -117,6 +119,8 @@ def main():
                     restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), **row)
         if args.sleep:
             time.sleep(args.sleep)
+    del ddp, opt  # DDP's last references to the group, then the group itself: freed now, not
+    gc.collect()  # during the interpreter's exit (a Gloo thread busy then aborts: troubleshooting)
     dist.destroy_process_group()  # as DDP scripts end: the metrics log is flushed after it
     return 0
 
