@@ -31,9 +31,10 @@ state, every rank alike. A cell the reference refuses must be refused on every r
 same steps, with a message naming the bad S and its cause, and with nothing applied: every
 rank's weights, tau, lr and optimizer state those of the reference before the refusal.
 
-Cells that cannot run say why in the harness (``CANNOT``), never by absence. An elastic grow and
-shrink (2 -> 1 -> 2 workers) needs horovodrun's elastic mode with a host-discovery script: those
-cells are tests/test_elastic.py's, not repeated here (see the issue's report).
+Cells that cannot run say why in the harness (``CANNOT``), never by absence. Not here yet: an
+elastic shrink and grow (2 -> 1 -> 2 workers), which needs horovodrun's elastic mode with a
+host-discovery script (tests/test_elastic.py checks tau and the lr continuous across it, not
+against this reference).
 
 What each kind of cell catches, shown by breaking the code on purpose once per kind (on a copy
 of the tree, /tmp/sabotage, run with its own hvd_scale on PYTHONPATH; never in the shared tree).
@@ -47,17 +48,23 @@ The cells that failed, of one framework's matrix (np 2, one process, resume):
                 30 cells: every adapt, adapt_checkpoint and set_passes cell that runs, np 2
                 and one process, per pass and per worker
     short       run.host_step: a short step at the full S, not u n                    [torch/ddp]
-                13 cells: every short cell that runs (none, warmup, adascale, adascale_adam;
-                per pass and per worker; np 2 and one process)
+                13 cells: the short cells of every policy (per pass and per worker, np 2; and
+                one process but adascale_adam, whose one-pass step there is S = 1 either way)
     join        torch statistics: a joined rank's zeros averaged in (n not counted)    [torch]
-                8 cells: every join cell (4 policies x measured/unmeasured, per worker too)
-    checkpoint  core.Scaling.broadcast: the root's record taken on the root only       [torch]
-                CHECKPOINT
+                8 cells: every join cell that runs (none and warmup measured or not; adascale
+                and adascale_adam per pass and per worker)
+    checkpoint  core.Scaling.broadcast: the other ranks drop the root's estimates      [torch]
+                10 cells: every measured checkpoint and adapt_checkpoint cell (the ranks'
+                records differ; AdaScale's gains and weights too). Taking the root's record
+                on the root only crashes the np 2 job instead (rank 1 keeps k = 2 in
+                adapt_checkpoint: Horovod's accumulation asserts), which fails the test too
     resume      run.restored: the estimates dropped when the layout moved              [torch/ddp]
                 8 cells: the resume at another world size (adascale, adascale_adam, per pass
                 and per worker) and adapt_checkpoint (its saved k = 4 taken at k = 2)
     refused     run.check_layout: the measure=False refusal removed                    [torch/ddp]
-                REFUSED
+                16 cells: every unmeasured adascale and adascale_adam cell that the layout
+                table refuses (np 2, one process, resume): refused later, by the policy's
+                step, with a message that no longer names S nor measure=True
 """
 
 from __future__ import annotations
