@@ -23,7 +23,8 @@ def check_passes_change(r0, r1, workers):
         progress += row["gain"]
         assert close(row["progress"], progress)
         assert row["timing"]["passes"] == row["k"]
-    assert max(row["gain"] for row in rows if row["k"] == 3) > 2  # measured at S = 6
+    # measured at S = 6 (by how much: the warm-in holds the first steps' gain toward 1)
+    assert max(row["gain"] for row in rows if row["k"] == 3) > 1.01
     for row in rows[1:]:
         t = row["timing"]
         assert all(t[key] > 0 for key in ("pass_time", "allreduce_time", "update_time")), t
