@@ -126,7 +126,7 @@ def test_tiny_float32_gradients_measure_the_unscaled_gain(results):
     float32 squares and the wire's float32 sum underflowed); now the unscaled run's."""
     for r in both_ranks(results, "tiny"):
         ref = r["gains"]["1.0"]
-        assert ref[0] > 1.2  # measured, not the gain of nothing
+        assert ref[0] > 1.0  # measured (the warm-in holds it near 1), not the gain of nothing
         for factor in ("1e-22", "1e-30"):
             for got, want in zip(r["gains"][factor], ref):
                 assert got == pytest.approx(want, rel=1e-5), (factor, r["gains"])
