@@ -5,12 +5,16 @@ Rank 0 rewrites the host file that the discovery script prints, so the resize ha
 step without killing anything by hand; the driver polls it every second.
 """
 
+import math
 import subprocess
 import sys
 
 import pytest
 
 from hvdrun import WORKERS_DIR, requires_horovod, run_horovod, worker_env, worker_results
+
+sys.path.insert(0, str(WORKERS_DIR))
+import _reference  # noqa: E402  (tests/workers: the independent reference)
 
 pytestmark = [requires_horovod]
 BUDGET = 60
@@ -20,7 +24,7 @@ TORCH, KERAS = "elastic_worker.py", "elastic_keras_worker.py"
 
 
 def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | None = None,
-                worker_args=(), worker=TORCH, env=None, min_np=2, kind="step"):
+                worker_args=(), worker=TORCH, env=None, min_np=2, kind="step", everything=None):
     tmp_path.mkdir(parents=True, exist_ok=True)
     hosts = tmp_path / "hosts"
     hosts.write_text(hosts_text or f"localhost:{start}\n")
@@ -35,6 +39,8 @@ def run_elastic(tmp_path, start: int, end: int | None = None, hosts_text: str | 
         hvd_args=["--min-np", str(min_np), "--max-np", "3", "--host-discovery-script", str(discover),
                   "--network-interfaces", "lo"])
     results = worker_results(proc)
+    if everything is not None:  # every process's reports, for a replay
+        everything.extend(results)
     finals = [r for r in results if r["kind"] == "final"]
     # Every step of the process that ends as rank 0 (it may have had another rank before).
     pid = next(f["pid"] for f in finals if f["rank"] == 0)
@@ -124,9 +130,15 @@ def test_a_job_that_shrinks_to_one_worker_keeps_measuring(tmp_path, start, end):
     the passes once; when the job shrank to one, that was one sample a step, no step was measured
     again and the gain stayed at its last value (estimator updates stuck, tau at a stale gain
     for 88% of the budget). At one worker the passes are read: every step updates the estimates,
-    at either size, and reading follows the world size when it grows back."""
-    steps, finals = run_elastic(tmp_path, start, end, worker_args=["--passes", "2"], min_np=1,
-                                kind="estimates")
+    at either size, and reading follows the world size when it grows back.
+
+    #58 item 10: the transitions matrix's elastic cell. Every step (lr factor = gain, tau, S, n)
+    is the independent reference's (tests/workers/_reference.py ``CellModel``) replaying the
+    micro-gradients every rank reported at that step's world size: each worker's sum read once
+    at W = 2, every pass at W = 1, S = W k following W."""
+    everything = []
+    steps, finals = run_elastic(tmp_path, start, end, worker_args=["--passes", "2", "--reference"],
+                                min_np=1, kind="estimates", everything=everything)
     sizes = [r["size"] for r in steps]
     assert sizes[0] == start and sizes[-1] == end, sizes
     assert sizes.count(1) >= 3, sizes  # steps taken at one worker
@@ -135,6 +147,17 @@ def test_a_job_that_shrinks_to_one_worker_keeps_measuring(tmp_path, start, end):
     assert all(b == a + 1 for a, b in zip(updates, updates[1:])), list(zip(sizes, updates))
     assert len(finals) == end and finals[0]["scale"] == 2.0 * end
     assert len({(f["progress"], f["steps"], f["checksum"]) for f in finals}) == 1, finals
+    zero = steps[0]["pid"]
+    micro = sorted((r for r in everything if r["kind"] == "micro"),
+                   key=lambda r: (r["pid"] != zero, r["seq"]))
+    micro = [{**r, "zero": r["pid"] == zero} for r in micro]
+    assert [r["step"] for r in micro if r["zero"]] == list(range(1, finals[0]["steps"] + 1))
+    pairs = _reference.replay_elastic(micro)
+    wrong = [(i + 1, got, expected) for i, (got, expected) in enumerate(pairs)
+             if not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+                        for a, b in zip(got, expected))]
+    assert not wrong, f"{len(wrong)} step(s) (lr factor, tau, S, n, skipped) against the " \
+                      f"reference's: {wrong[:3]}"
 
 
 @pytest.mark.timeout(200)

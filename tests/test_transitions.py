@@ -7,8 +7,10 @@ harness (tests/workers/transitions_worker.py) runs the cells
     x {fit, a custom loop (where both exist)}
     x {steady, adapt changing k, set_passes by hand, a checkpoint saved and resumed through
        broadcast_state (with k fixed, and with k adapted before it: rank 0 loads k = 4, the
-       others start at 2), a resume at another world size, a short step, hvd.join, a
-       non-finite step on one rank} x {none, warmup, adascale, adascale_adam}
+       others start at 2), a resume at another world size, a short step, a short step below
+       the baseline batch (short_below: k = 4 at u = S / (W k) = 1/4, one pass a rank left
+       over, S = u n < 1: refused), hvd.join, a non-finite step on one rank}
+    x {none, warmup, adascale, adascale_adam}
     x {measured, unmeasured (measure=False)}, every pass read (samples="passes")
     + {adapt, short, join, checkpoint, resume} x {adascale, adascale_adam} measured at the
       default samples (from two workers on: each worker's sum read once, samples="workers")
@@ -31,10 +33,13 @@ state, every rank alike. A cell the reference refuses must be refused on every r
 same steps, with a message naming the bad S and its cause, and with nothing applied: every
 rank's weights, tau, lr and optimizer state those of the reference before the refusal.
 
-Cells that cannot run say why in the harness (``CANNOT``), never by absence. Not here yet: an
-elastic shrink and grow (2 -> 1 -> 2 workers), which needs horovodrun's elastic mode with a
-host-discovery script (tests/test_elastic.py checks tau and the lr continuous across it, not
-against this reference).
+Cells that cannot run say why in the harness (``CANNOT``), never by absence. The elastic cells,
+a shrink 2 -> 1 and a grow 1 -> 2 (torch under Horovod elastic, adascale, k = 2, the default
+samples), run in tests/test_elastic.py (``test_a_job_that_shrinks_to_one_worker_keeps_measuring``:
+horovodrun's elastic mode needs its host-discovery script): every rank reports each step's
+micro-gradients and the job's row, and ``_reference.replay_elastic`` replays them through
+``CellModel`` at each step's world size (per worker at W = 2, per pass at W = 1, S = W k
+following W); every step's lr factor, tau, S and n must match it.
 
 What each kind of cell catches, shown by breaking the code on purpose once per kind (on a copy
 of the tree, /tmp/sabotage, run with its own hvd_scale on PYTHONPATH; never in the shared tree).
@@ -65,6 +70,14 @@ The cells that failed, of one framework's matrix (np 2, one process, resume):
                 16 cells: every unmeasured adascale and adascale_adam cell that the layout
                 table refuses (np 2, one process, resume): refused later, by the policy's
                 step, with a message that no longer names S nor measure=True
+    short_below run.host_step: the refusal of a short step at u n < 1 removed         [torch]
+                14 cells: every short_below cell but the two refused at set-up (adascale and
+                adascale_adam unmeasured at np 2, S = 2): ran, the reference refuses
+    elastic     run.reads: always "passes" (W = 2 reads every pass, not each worker's sum)
+                both elastic cells (tests/test_elastic.py): the shrink 2 -> 1 from step 1
+                (45 steps' gain and tau off the reference's), the grow 1 -> 2 from step 8,
+                its first at W = 2 (31 steps). Always "workers" instead: both jobs refuse at
+                their first step at W = 1 ("statistics hold one sample"), which fails them too
 """
 
 from __future__ import annotations
@@ -192,7 +205,7 @@ def reference(cell, initial, workers, resumed=False):
         _reference.to_params(initial, layout), policy=policy, measured=measured,
         convention=layout, lr=harness.LR * (0.1 if adam else 1.0),
         eps=1e-7 if layout == "keras" else 1e-8, span=8.0, warm_in=harness.WARM_IN,
-        max_gain=harness.MAX_GAIN,
+        max_gain=harness.MAX_GAIN, unit=harness.UNIT.get(change, 1.0),
         adapt=change in ("adapt", "adapt_checkpoint") or (framework == "keras" and
                                                            change == "set_passes"))
     rows = []

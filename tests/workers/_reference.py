@@ -88,7 +88,8 @@ class CellModel:
     count at the policy's)."""
 
     def __init__(self, params, *, policy, measured, convention, lr, eps=1e-8, betas=(0.9, 0.999),
-                 momentum=0.9, span=8.0, warm_in=20, max_gain=8.0, adam_extra=0, adapt=False):
+                 momentum=0.9, span=8.0, warm_in=20, max_gain=8.0, adam_extra=0, adapt=False,
+                 unit=1.0):
         self.params = [p.copy() for p in params]
         self.policy, self.measured, self.convention = policy, measured, convention
         self.lr, self.eps, self.betas, self.momentum = lr, eps, betas, momentum
@@ -99,15 +100,16 @@ class CellModel:
         self.tau, self.steps, self.skipped, self.factor = 0.0, 0, 0, 1.0
         self.ema = None                                   # [b_sigma2, b_mu2, u]
         self.layout, self.adapt = None, adapt
+        self.unit = unit                                  # u = S / (W k), kept by every change
 
-    # -- the layout table (run.py): S = W k here (u = 1) -------------------------------------
+    # -- the layout table (run.py): S = u W k ------------------------------------------------
     def relayout(self, workers, passes, applied):
         if self.layout == (workers, passes):
             return
         if self.layout is None and self.adapt and not self.measured:
             # adapt="goodput" chooses k by the gain at another k: it needs the statistics.
             raise Refusal(applied, ["adapt='goodput'", "measure=False"], "adapt unmeasured")
-        scale = workers * passes
+        scale = self.unit * workers * passes
         if self.policy in ("adascale", "adascale_adam") and scale > 1:
             if not self.measured:
                 raise Refusal(applied, [f"S = {scale:g}", "measure=True"],
@@ -125,23 +127,33 @@ class CellModel:
     def step(self, per_rank, samples):
         """``per_rank``: each rank's micro-batches [(x, y), ...] this step; ``samples``: passes or
         workers. Returns the row (lr factor, tau, S, n = W k, skipped)."""
+        return self.take([[gradient(self.params, x, y) for x, y in batches]
+                          for batches in per_rank], samples)
+
+    def take(self, grads, samples):
+        """A step of the micro-gradients ``grads`` (each rank's, each a list of tensors), at the
+        layout set by ``relayout``: the row, as ``step``'s."""
         workers, passes = self.layout
-        grads = [[gradient(self.params, x, y) for x, y in batches] for batches in per_rank]
         flat = [g for rank in grads for g in rank]
         n = len(flat)
         if not all(_np.all(_np.isfinite(t)) for g in flat for t in g):
             self.skipped += 1
             return self.row()
         full = workers * passes
-        scale = float(full) if n == full else max(1.0, float(n))
-        mean = [sum(g[i] for g in flat) / n for i in range(4)]
+        scale = self.unit * (full if n == full else n)  # a short step: its own S = u n
+        if scale < 1 - 1e-9:
+            raise Refusal(self.steps, ["below the baseline batch", f"S = u n = {scale:g}"],
+                          f"a short step of {n} pass(es) at u = {self.unit:g}: S = {scale:g} < 1")
+        scale = max(1.0, scale)
+        mean = [sum(g[i] for g in flat) / n for i in range(len(flat[0]))]
         reads = samples == "workers" and workers >= 2
         count = sum(1 for rank in grads if rank) if reads else n
         if self.measured and n >= 2 and count >= 2 and scale > 1 and \
                 not (self.adam and self.steps < self.warm_in):
             pre = self.preconditioner()
             if reads:
-                sums = [[sum(g[i] for g in rank) for i in range(4)] for rank in grads if rank]
+                sums = [[sum(g[i] for g in rank) for i in range(len(flat[0]))]
+                        for rank in grads if rank]
                 sqnorm = sum(_sq(pre(s)) / len(rank) for s, rank in
                              zip(sums, [r for r in grads if r]))
             else:
@@ -223,4 +235,32 @@ class CellModel:
 
     def row(self):
         workers, passes = self.layout
-        return [self.factor, self.tau, float(workers * passes), workers * passes, self.skipped]
+        return [self.factor, self.tau, self.unit * workers * passes, workers * passes,
+                self.skipped]
+
+
+def replay_elastic(records, policy="adascale", samples="workers"):
+    """An elastic job's steps replayed by ``CellModel`` at each step's world size (S = u W k,
+    u = 1: the default scale), from the micro-gradients every rank reported (kind "micro":
+    step, size, rank, micro = its passes' flat gradients; tests/workers/elastic_worker.py
+    --reference). Returns [(the job's row, the model's row)] for the steps of the process that
+    ends as rank 0 (``records`` sorted by seq, its own first)."""
+    by_step = {}
+    for r in records:  # a rank's latest report of a step at a size (a step redone overwrites)
+        by_step.setdefault((r["step"], r["size"]), {})[r["rank"]] = r
+    model, pairs = None, []
+    for zero in (r for r in records if r.get("zero")):
+        ranks = by_step[(zero["step"], zero["size"])]
+        assert sorted(ranks) == list(range(zero["size"])), (zero["step"], sorted(ranks))
+        grads = [[[_np.asarray(m, dtype=_np.float64)] for m in ranks[w]["micro"]]
+                 for w in range(zero["size"])]
+        if model is None:
+            size = grads[0][0][0].size
+            model = CellModel([_np.zeros(size)], policy=policy, measured=True,
+                              convention="torch", lr=1.0)
+        model.relayout(zero["size"], zero["passes"], applied=zero["step"] - 1)
+        expected = model.take(grads, samples)
+        got = [zero["factor"], zero["progress"], zero["scale"], zero["size"] * zero["passes"],
+               zero["skipped"]]
+        pairs.append((got, expected))
+    return pairs

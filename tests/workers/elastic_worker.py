@@ -16,6 +16,23 @@ from hvd_scale.adapters.torch import DistributedOptimizer
 TEACHER = torch.randn(8, 3, generator=torch.Generator().manual_seed(7))
 
 
+def reference_passes(model, opt, step, rank):
+    """k passes of batches of their own; each pass's gradient, flat, computed apart (a functional
+    call on detached copies: Horovod's hooks see only the real backward)."""
+    params = dict(model.named_parameters())
+    micro = []
+    for p in range(opt.backward_passes_per_step):
+        g = torch.Generator().manual_seed(1000 * step + 10 * rank + p)
+        x = torch.randn(16, 8, generator=g, dtype=torch.float64)
+        y = (x.float() @ TEACHER).argmax(1)
+        copies = {n: t.detach().clone().requires_grad_() for n, t in params.items()}
+        loss = torch.nn.functional.cross_entropy(torch.func.functional_call(model, copies, (x,)), y)
+        micro.append(torch.cat([t.reshape(-1) for t in torch.autograd.grad(
+            loss, list(copies.values()))]).tolist())
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    return micro
+
+
 def main():
     p = parser("elastic job, torch adapter")
     p.add_argument("--policy", default="adascale")
@@ -23,11 +40,16 @@ def main():
     p.add_argument("--passes-at", type=int, default=None,
                    help="with adapt='goodput': every rank sets 2 passes per step at this step")
     p.add_argument("--passes", type=int, default=1, help="k, backward passes per step")
+    p.add_argument("--reference", action="store_true",
+                   help="float64, a batch of its own per pass, and each step's micro-gradients "
+                        "reported (kind 'micro'), for tests/workers/_reference.py's replay")
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    if args.reference:
+        model.double()
     inner = torch.optim.Adam(model.parameters(), lr=0.01) if args.adam else \
         torch.optim.SGD(model.parameters(), lr=0.2)
     adapt = {} if args.passes_at is None else \
@@ -45,9 +67,16 @@ def main():
             x = torch.randn(16, 8, generator=g)
             y = (x @ TEACHER).argmax(1)  # a learnable task, so runs can be compared on quality
             opt.zero_grad()
-            for _ in range(opt.backward_passes_per_step):  # 2 after --passes-at
-                torch.nn.functional.cross_entropy(model(x), y).backward()
+            if args.reference:
+                micro = reference_passes(model, opt, step, hvd.rank())
+            else:
+                for _ in range(opt.backward_passes_per_step):  # 2 after --passes-at
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+            if args.reference:  # what the step took and did, for the replay
+                emit(hvd, kind="micro", step=opt.steps, size=hvd.size(), micro=micro,
+                     factor=opt.lr_factor, progress=opt.progress, scale=opt.scale,
+                     passes=opt.backward_passes_per_step, skipped=opt.skipped)
             # The estimator's updates: a step whose statistics were measured adds one.
             emit(hvd, kind="estimates", step=opt.steps, size=hvd.size(),
                  updates=opt.run_state.policy.estimator.updates)
@@ -61,7 +90,7 @@ def main():
     x = torch.randn(512, 8, generator=g)
     y = (x @ TEACHER).argmax(1)
     with torch.no_grad():
-        eval_loss = float(torch.nn.functional.cross_entropy(model(x), y))
+        eval_loss = float(torch.nn.functional.cross_entropy(model(x.to(model[0].weight.dtype)), y))
     adam = {}
     if args.adam:  # Adam's moments after the resize: kept (committed, broadcast), not reset
         states = [opt.state[p] for p in model.parameters()]

@@ -44,11 +44,16 @@ MAX_GAIN = 1.5
 POLICIES = {"none": "none", "warmup": "warmup:baseline_steps=8", "adascale": "adascale",
             "adascale_adam": f"adascale_adam:max_gain={MAX_GAIN}"}
 CHANGES = ("steady", "adapt", "set_passes", "checkpoint", "adapt_checkpoint", "short", "join",
-           "nonfinite", "resume")
+           "nonfinite", "resume", "short_below")
+# u = S / (W k) of a change where it is not 1: short_below's micro-batches are a quarter of the
+# baseline batch (k = 4, scale = W: S = 2 at two workers, 1 at one), so that its leftover step of
+# one pass a rank, S = u n = W / 4, is below the baseline batch and must be refused.
+UNIT = {"short_below": 0.25}
 # Cells that cannot run, and why (reported as such, never left out).
 CANNOT = {
     ("keras", "short"): "Keras takes a step every k apply calls: there is no short step (fit "
                         "refuses unequal shards, hvd_scale.adapters.keras.callbacks)",
+    ("keras", "short_below"): "Keras takes a step every k apply calls: there is no short step",
     ("keras", "join"): "hvd.join is a torch path (uneven data); Keras's fit refuses unequal "
                        "shards before the first step",
     ("ddp", "join"): "hvd.join is Horovod's; DDP's uneven inputs (torch.distributed's Join "
@@ -64,6 +69,8 @@ def k_schedule(change: str, step: int) -> int:
         return 2 if step <= 2 or step > 4 else 1
     if change == "short":
         return 2
+    if change == "short_below":
+        return 4
     return 1
 
 
@@ -72,6 +79,8 @@ def passes_of(change: str, step: int, rank: int, k: int, workers: int) -> list[i
     own = [rank * k + p for p in range(k)]
     if change == "short" and step == 3:
         return own[:k - rank] if workers > 1 else own[:1]  # rank 1 (or the only rank) one short
+    if change == "short_below" and step == 3:
+        return own[:1]  # a leftover of one pass a rank: S = u W < 1
     if change == "join" and step > 3 and rank == 1:
         return []  # rank 1 has run out of data and joined
     return own
@@ -151,6 +160,9 @@ def torch_cell(ranks, change, spec, measured, args, out, engine="horovod", sampl
             {"named_parameters": model.named_parameters()}
         opt = DistributedOptimizer(inner, **where, policy=spec, samples=samples,
                                    backward_passes_per_step=k_schedule(change, 1) * mult,
+                                   scale=UNIT[change] * k_schedule(change, 1) * mult
+                                   * (1 if ranks.simulate else ranks.workers)
+                                   if change in UNIT else None,
                                    measure=measured,
                                    adapt="goodput" if adapt else None,
                                    max_passes=4 * mult if adapt else None,
