@@ -31,7 +31,10 @@ def results():
 def test_activation_checkpointing_gives_the_plain_statistics(results):
     runs = {r["variant"]: r for r in results["checkpointing"] if r["rank"] == 0}
     plain = runs["None"]
-    assert max(row["gain"] for row in plain["rows"]) > 1.1  # something is measured
+    # Something is measured (broken checkpointing read sigma2 2e-7, gain 1.0000005); the gain's
+    # floor is low because the warm-in holds the first steps' gain toward 1.
+    assert max(row["sigma2"] for row in plain["rows"]) > 1e-3
+    assert max(row["gain"] for row in plain["rows"]) > 1.01
     for variant in ("reentrant", "non_reentrant"):
         for mine, ref in zip(runs[variant]["rows"], plain["rows"]):
             for key in ("gain", "sigma2", "mu2", "progress"):
