@@ -1,8 +1,8 @@
 """The shared half of every adapter: everything about a step that is not a tensor operation.
 
 An adapter (see ``protocol.py``) produces the step's statistics in its framework and hands them
-here as one host vector (``hvd_scale.reduce``'s layout); ``Scaling.step`` returns the factor to
-apply. No framework is imported here: the Horovod module is passed in (``HorovodBinding``).
+here as one host vector (``hvd_scale.reduce``'s layout); ``Scaling.plan`` returns the plan (the
+factor and the inner step's settings) to apply. No framework is imported here: the Horovod module is passed in (``HorovodBinding``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""hvd_scale: learning-rate scaling policies for Horovod data-parallel training.
+"""hvd_scale: learning-rate scaling policies for data-parallel training (Horovod, torch.distributed).
 
 The engine (this package) is numpy only: adapters for PyTorch and Keras 3 live in
 ``hvd_scale.adapters``, the launcher in ``hvd_scale.launch``.

@@ -8,7 +8,8 @@ tensor operation in ``adapters/core.py``). An engine plugs in by subclassing ``T
 Both gather the same statistics (``statistics.py``, their norms in ``norms.py``): the norm of
 each backward pass's own gradient, the per-group sums and the micro-gradient count in one small
 allreduce beside the gradients', ``p.grad`` made the mean of the step's micro-gradients and
-|g_bar|^2 taken from it; the one host transfer of the step brings these 2G + 1 numbers back.
+|g_bar|^2 taken from it; the one host transfer of the step brings these numbers back
+([s..., c, w, q...]: ``hvd_scale.reduce``).
 The plan's lr (and Adam's settings) are set on each group for the inner step, then the user's
 values are restored, so torch lr schedulers keep working on the baseline lr (``apply_step``).
 Checkpoints and the run's record: ``checkpoint.py``.
