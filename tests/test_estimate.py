@@ -24,19 +24,8 @@ from hvd_scale.estimate import (SIGMA2_FLOOR, EstimatorState, estimate_moments, 
                                 gain_ratio, smoothed)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def without_warm_in():
-    """The tests here check the estimates' mechanics against the gain ratio from step 1; the
-    warm-in (the young EMA's gain held toward 1) is tested on its own (``warm_in``)."""
-    saved = hvd_scale.estimate.WARM_IN_Z
-    hvd_scale.estimate.WARM_IN_Z = 0.0
-    yield
-    hvd_scale.estimate.WARM_IN_Z = saved
-
-
-@pytest.fixture
-def warm_in(monkeypatch):
-    monkeypatch.setattr(hvd_scale.estimate, "WARM_IN_Z", 2.0)
+# The warm-in off for the mechanics tests, on where a test asks (``warm_in``).
+from warm_in_fixtures import warm_in, without_warm_in  # noqa: F401,E402  (fixtures)
 
 
 def test_warm_in_by_hand(warm_in):

@@ -49,19 +49,8 @@ def adam_statistics_from_the_first_step():
     hvd_scale.policies.AdaScaleAdam.MIN_ADAM_HISTORY = saved
 
 
-@pytest.fixture(autouse=True, scope="module")
-def adascale_without_warm_in():
-    """The mechanics tests here compare the gain with the estimator's from step 1; AdaScale's
-    warm-in (the young estimates' gain held toward 1) is tested on its own below (``warm_in``)."""
-    saved = hvd_scale.estimate.WARM_IN_Z
-    hvd_scale.estimate.WARM_IN_Z = 0.0
-    yield
-    hvd_scale.estimate.WARM_IN_Z = saved
-
-
-@pytest.fixture
-def warm_in(monkeypatch):
-    monkeypatch.setattr(hvd_scale.estimate, "WARM_IN_Z", 2.0)
+# The warm-in off for the mechanics tests, on where a test asks (``warm_in``).
+from warm_in_fixtures import warm_in, without_warm_in  # noqa: F401,E402  (fixtures)
 
 
 def test_registry_is_what_the_reference_lists():
