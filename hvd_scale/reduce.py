@@ -10,12 +10,16 @@ The local vector each worker contributes, summed over workers (the contract betw
     c    number of micro-gradients this worker produced (its backward passes in the step)
     w    the independent samples s holds: c per pass, 1 per worker (0 without a pass)
 
-Summed over workers it gives ``sqnorm_sum`` per group, n and the step's samples. |g_bar|^2 needs
-no reduction: every worker computes it from the averaged gradient that the gradient allreduce
-already produced, and appends it, so the step's statistics reach the host as one vector (one
-transfer):
+Summed over workers it gives ``sqnorm_sum`` per group, n and the step's samples. Where every
+worker holds the whole averaged gradient (Horovod, DDP), |g_bar|^2 needs no reduction: each
+computes it from what the gradient allreduce produced and appends it; where each holds a shard
+(FSDP2), the shards' squared norms ride in the same allreduce and add up to it. Either way the
+step's statistics reach the host as one vector (one transfer):
 
     [ s_0, ..., s_{G-1}, c, w, q_0, ..., q_{G-1} ]      q_j = |g_bar|^2 in group j
+
+``StepRecord`` names these parts and is the one place that packs and slices the vector (for
+numpy, torch and keras.ops alike).
 
 A reducer is anything with ``sum(vector) -> vector`` across workers: ``LocalReducer`` (one
 process), ``MPIReducer`` (mpi4py: the engine alone, for a framework without an adapter);
@@ -26,7 +30,7 @@ layout is what must agree.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -66,12 +70,72 @@ def wire_sums(plain, wide, narrow, xp):
 COUNTS = 2  # c and w, after the sums
 
 
+class StepRecord(NamedTuple):
+    """One step's statistics, named; the vector's layout and its slicing live here and only here.
+
+        [ s_0, ..., s_{G-1}, c, w ]                          a worker's, and its sum over workers
+        [ s_0, ..., s_{G-1}, c, w, q_0, ..., q_{G-1} ]      the step's, as the host reads it
+
+    sums          s_j = sum_i |g_ij|^2 over the samples read in group j (summed: ``sqnorm_sum``)
+    count         c, the micro-gradients (summed over workers: n)
+    samples       w, the independent samples in s (c per pass, 1 per worker; summed: the step's)
+    mean_sqnorms  q_j = |g_bar_j|^2 of the mean micro-gradient; None where it is not known yet
+                  (a worker's vector before the gradients' reduction)
+
+    Values are any array library's (numpy, torch, keras.ops): ``xp`` is the library's module,
+    which has ``concatenate``, ``stack``, ``round``, ``where`` and ``isfinite``. ``unpack`` and
+    ``from_wire`` return views (0-d for c and w), ``pack`` and ``to_wire`` one vector.
+    """
+
+    sums: Any
+    count: Any
+    samples: Any
+    mean_sqnorms: Any = None
+
+    def pack(self, xp=np):
+        """[s..., c, w] or, with q, [s..., c, w, q...]."""
+        tail = () if self.mean_sqnorms is None else (self.mean_sqnorms,)
+        return xp.concatenate([self.sums, xp.stack([self.count, self.samples]), *tail])
+
+    @classmethod
+    def unpack(cls, vector, groups: int) -> "StepRecord":
+        """The record of ``pack``'s vector (G + 2 values, or 2 G + 2 with q), as views."""
+        q = vector[groups + COUNTS:] if vector.shape[0] > groups + COUNTS else None
+        return cls(vector[:groups], vector[groups], vector[groups + 1], q)
+
+    def to_wire(self, xp=np):
+        """What travels in an allreduce in the gradients' dtype: each group's sums three times
+        (``wire_copies``: plain, x WIRE_WIDE, x WIRE_NARROW), then [c, w], then q's three
+        copies where q is known (a sharded engine sums its shards' q over ranks)."""
+        tail = () if self.mean_sqnorms is None else wire_copies(self.mean_sqnorms)
+        return xp.concatenate([*wire_copies(self.sums), xp.stack([self.count, self.samples]),
+                               *tail])
+
+    @classmethod
+    def from_wire(cls, vector, groups: int, xp=np) -> "StepRecord":
+        """The record of ``to_wire``'s vector summed over workers (float64 in): each sum taken
+        from the copy that fits (``wire_sums``), the counts rounded back to whole numbers (a
+        reduction in float32, or an average times W, leaves them a rounding away)."""
+        def sums(at):
+            return wire_sums(vector[at:at + groups], vector[at + groups:at + 2 * groups],
+                             vector[at + 2 * groups:at + 3 * groups], xp)
+        counts = 3 * groups
+        q = sums(counts + COUNTS) if vector.shape[0] > counts + COUNTS else None
+        return cls(sums(0), xp.round(vector[counts]), xp.round(vector[counts + 1]), q)
+
+
 def pack_local(group_sqnorms, micro_batches: int, samples: int | None = None) -> np.ndarray:
     """This worker's vector: per-group sums of squared norms, its count c and its samples w
     (None: c, each micro-gradient read)."""
     sq = np.atleast_1d(np.asarray(group_sqnorms, dtype=np.float64))
     w = micro_batches if samples is None else samples
-    return np.concatenate([sq, [float(micro_batches), float(w)]])
+    return StepRecord(sq, float(micro_batches), float(w)).pack().astype(np.float64)
+
+
+def _host_counts(record: StepRecord) -> tuple[int, int]:
+    # A non-finite count cannot be rounded; the caller's finiteness check rejects the step.
+    return tuple(int(round(float(v))) if np.isfinite(v) else 0
+                 for v in (record.count, record.samples))
 
 
 def unpack_summed(vector, num_groups: int) -> tuple[np.ndarray, int, int]:
@@ -80,18 +144,17 @@ def unpack_summed(vector, num_groups: int) -> tuple[np.ndarray, int, int]:
     if vector.shape != (num_groups + COUNTS,):
         raise ValueError(f"statistics vector must have {num_groups} group entries, the count and "
                          f"the samples ({num_groups + COUNTS} values), got shape {vector.shape}")
-    # A non-finite count cannot be rounded; the caller's finiteness check rejects the step.
-    n, samples = (int(round(v)) if np.isfinite(v) else 0 for v in vector[num_groups:])
-    return vector[:num_groups], n, samples
+    record = StepRecord.unpack(vector, num_groups)
+    return (record.sums, *_host_counts(record))
 
 
 def step_vector_size(num_groups: int) -> int:
     return 2 * num_groups + COUNTS
 
 
-def unpack_step(vector, num_groups: int, loss_scale: float | None = None
-                ) -> tuple[np.ndarray, int, int, np.ndarray]:
-    """(sqnorm_sum per group, n, samples, mean_sqnorm per group) from the step's host vector.
+def unpack_step(vector, num_groups: int, loss_scale: float | None = None) -> StepRecord:
+    """The step's host vector as a record: (sqnorm_sum per group, n, samples, mean_sqnorm per
+    group), n and samples Python ints.
 
     ``loss_scale``: the gradients were those of loss x scale (mixed precision); squared norms
     are divided by its square, the counts stay.
@@ -101,12 +164,10 @@ def unpack_step(vector, num_groups: int, loss_scale: float | None = None
         raise ValueError(f"step statistics must hold {num_groups} sums, the count, the samples "
                          f"and {num_groups} mean norms ({step_vector_size(num_groups)} values), "
                          f"got shape {vector.shape}")
-    sqnorm_sum, n, samples = unpack_summed(vector[:num_groups + COUNTS], num_groups)
-    mean_sqnorm = vector[num_groups + COUNTS:]
-    if loss_scale is not None:
-        inv = 1.0 / float(loss_scale) ** 2
-        sqnorm_sum, mean_sqnorm = sqnorm_sum * inv, mean_sqnorm * inv
-    return sqnorm_sum, n, samples, mean_sqnorm
+    record = StepRecord.unpack(vector, num_groups)
+    n, samples = _host_counts(record)
+    inv = 1.0 if loss_scale is None else 1.0 / float(loss_scale) ** 2
+    return StepRecord(record.sums * inv, n, samples, record.mean_sqnorms * inv)
 
 
 class Reducer(Protocol):
