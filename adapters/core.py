@@ -23,6 +23,7 @@ from hvd_scale.adapters.readout import Readout  # noqa: F401  (the adapters impo
 from hvd_scale.estimate import check_samples, resolve_samples
 from hvd_scale.guard import UNGUARDED_METRICS, SharpnessGuard, stability_limit
 from hvd_scale.moments import EPS_CORRECTED
+from hvd_scale.noise import metrics as noise_metrics
 from hvd_scale.policies import Policy
 from hvd_scale.reduce import unpack_step
 from hvd_scale.run import DIVERGED_AFTER, NONFINITE, PLAN, USER_SETTINGS, RunState  # noqa: F401
@@ -392,15 +393,17 @@ class Scaling:
 
     # -- what is read --------------------------------------------------------------------------------
     def metrics(self, run: RunState | None = None, scale: float | None = None) -> dict[str, float]:
-        """``hvd_scale.metrics.STEP_METRICS``: the policy's at the record ``run`` (default the
-        one held) and S = ``scale`` (default the latest step's, ``step_scale``, for the record
+        """``hvd_scale.metrics.STEP_METRICS`` (with two parameter groups or more, each group's
+        noise scale too: ``hvd_scale.noise.metrics``): the policy's at the record ``run`` (default
+        the one held) and S = ``scale`` (default the latest step's, ``step_scale``, for the record
         held, else the run's; a short step's row: its own, marked ``short_step``), the lr the
         latest step applied, and the guard's (nan and inf without one)."""
         if run is None:
             run, scale = self.run, self.step_scale if scale is None else scale
         scale = run.scale if scale is None else scale
         guard = UNGUARDED_METRICS if self.guard is None else self.guard.metrics()
-        return {**self.policy.metrics(run.policy, scale), "lr": run.last_lr,
+        return {**self.policy.metrics(run.policy, scale),
+                **noise_metrics(run.policy.estimator, run.noise), "lr": run.last_lr,
                 "short_step": float(scale != run.scale), **guard, **self._timing}
 
     # -- checkpoints and broadcasts: the whole record, validated before anything changes --------

@@ -5,7 +5,8 @@ Files in a log directory:
                     rank 0's host: its CPUs and the workers on it (``host_facts``); facts learnt
                     as the run goes (``note``: ``zero_gradients_at_step``)
     metrics.csv     one row per optimizer step (thinned on long runs: ``due``), the columns of
-                    ``hvd_scale.metrics.METRICS`` in order
+                    ``hvd_scale.metrics.METRICS`` in order, then with two parameter groups or
+                    more each group's noise scale (``columns``)
     tb/             TensorBoard scalars under ``hvd_scale/<name>``, written by tensorboardX (imported
                     when the first row is written; it never imports TensorFlow)
 
@@ -26,7 +27,8 @@ import time
 import warnings
 from typing import Any, Callable, Mapping
 
-from hvd_scale.metrics import METRICS, check_names
+from hvd_scale.metrics import (GROUP_NOISE_METRICS, METRICS, check_names, group_metric,
+                               split_group_metric)
 
 # Numbers this process's TensorBoard files (with its pid), so a log reopened within the same second
 # (a replay under elastic) never reuses, and truncates, an earlier file's name.
@@ -74,6 +76,14 @@ def host_facts() -> dict[str, int | None]:
     return {"host_cpus": os.cpu_count(), "workers_on_host": shared}
 
 
+def columns(names) -> list[str]:
+    """The CSV's columns for rows with the metrics ``names``: ``METRICS`` in order, then the
+    per-group ones among ``names`` (``hvd_scale.metrics.group_metric``), group by group."""
+    groups = {split_group_metric(k) for k in names} - {None}
+    ordered = sorted(groups, key=lambda g: (g[1], GROUP_NOISE_METRICS.index(g[0])))
+    return list(METRICS) + [group_metric(name, j) for name, j in ordered]
+
+
 def _float(value: Any) -> float:
     if value is None:
         return math.nan
@@ -118,6 +128,7 @@ class MetricsLogger:
         self._progress_bar, self._tensorboard = progress_bar, tensorboard
         self._start = time.perf_counter()
         self._csv_file = self._bar = self._tb = None
+        self._header: list[str] | None = None  # the CSV's columns, set when it opens
         self._last_step = -math.inf
         self.closed = False
 
@@ -189,15 +200,17 @@ class MetricsLogger:
         if self._rank() != 0:
             self._close_files()  # another process is rank 0 now (elastic): it writes
             return
-        row = {k: math.nan for k in METRICS}
-        row.update({k: _float(v) for k, v in metrics.items()})
+        header = columns(metrics) if self._csv_file is None else self._header
+        row = {k: math.nan for k in header}
+        # a per-group column the open file lacks cannot occur (the groups are fixed for a run)
+        row.update({k: _float(v) for k, v in metrics.items() if k in row})
         row["time"] = time.perf_counter() - self._start if at is None else at
         step = row["step"]
         if self._csv_file is None:
-            self._open(step)
+            self._open(step, header)
         elif step <= self._last_step:  # a restored elastic job replays steps it had logged
             self._close_files()
-            self._open(step)
+            self._open(step, header)
         self._last_step = step
         self._csv.writerow(row)
         if self._tb is not None:
@@ -211,11 +224,12 @@ class MetricsLogger:
             self._bar.set_postfix(gain=f"{row['gain']:.2f}", refresh=False)
 
     # -- files -------------------------------------------------------------------------------------
-    def _open(self, first_step: float) -> None:
+    def _open(self, first_step: float, header: list[str]) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._header = header
         path = self.log_dir / "metrics.csv"
         earlier = _read_rows(path)
-        if earlier is not None and (first_step <= 1 or earlier[0] != list(METRICS)):
+        if earlier is not None and (first_step <= 1 or earlier[0] != header):
             self._keep_apart()  # a fresh run (or another layout): the earlier run stays whole
             earlier = None
         if earlier is not None:
@@ -225,7 +239,7 @@ class MetricsLogger:
                 _append_rows(self.log_dir / "metrics.replayed.csv", header, replayed)
                 _write_rows(path, header, [r for r in rows if _step(r) < first_step])
         else:
-            _write_rows(path, list(METRICS), [])
+            _write_rows(path, header, [])
         if first_step > 1:
             self._run_info["resumed_at_step"] = int(first_step)
         else:
@@ -233,7 +247,7 @@ class MetricsLogger:
         self._write_info()
         # Line-buffered: every row reaches the file at once, so a killed job keeps its rows.
         self._csv_file = open(path, "a", newline="", buffering=1)
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=list(METRICS))
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=header)
         atexit.register(self.close)
         if self._tensorboard:
             SummaryWriter = _import_summary_writer()

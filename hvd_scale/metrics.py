@@ -33,6 +33,10 @@ METRICS: dict[str, str] = {
     "sigma2": "smoothed variance of a baseline-batch gradient (trace)",
     "mu2": "smoothed squared norm of the true gradient",
     "noise_scale": "sigma2 / mu2: the batch, in baseline batches, past which scaling stops paying",
+    "noise_scale_low": "low end of noise_scale's 95% confidence interval (hvd_scale.noise: "
+                       "Fieller's interval over the EMA's window); nan until known",
+    "noise_scale_high": "high end of noise_scale's 95% interval; inf where mu2 is not told apart "
+                        "from 0",
     "efficiency": "gain / S",
     "skipped": "steps skipped for non-finite gradients",
     "sharpness": "top Hessian eigenvalue the lr guard measured last (averaged over workers; "
@@ -65,15 +69,40 @@ GUARD_METRICS = ("sharpness", "lr_cap")
 # synchronisation): by the torch adapter always, by Keras's when the metrics are logged.
 TIMING_METRICS = ("passes", "workers", "pass_time", "overhead_time", "allreduce_time",
                   "update_time", "step_time")
-STEP_METRICS = POLICY_METRICS + ("lr", "short_step") + GUARD_METRICS + TIMING_METRICS
+# noise_scale's interval (``hvd_scale.noise``), from the run record's noise state.
+NOISE_METRICS = ("noise_scale_low", "noise_scale_high")
+STEP_METRICS = (POLICY_METRICS + NOISE_METRICS + ("lr", "short_step") + GUARD_METRICS
+                + TIMING_METRICS)
 # Keras puts these into every batch and epoch ``logs`` (the loss is Keras's own there).
 LOGS_METRICS = tuple(k for k in STEP_METRICS
                      if k not in ("step", "skipped", "short_step") + GUARD_METRICS + TIMING_METRICS)
 
 
+# Per parameter group, with two groups or more: ``group_metric(name, j)`` = "name[j]", columns
+# after METRICS' in the CSV (``hvd_scale/name[j]`` in TensorBoard).
+GROUP_NOISE_METRICS = ("noise_scale", "noise_scale_low", "noise_scale_high")
+
+
+def group_metric(name: str, group: int) -> str:
+    """The column of metric ``name`` (one of ``GROUP_NOISE_METRICS``) for parameter group j."""
+    if name not in GROUP_NOISE_METRICS:
+        raise ValueError(f"{name!r} has no per-group column; those are {GROUP_NOISE_METRICS}")
+    return f"{name}[{int(group)}]"
+
+
+def split_group_metric(column: str) -> tuple[str, int] | None:
+    """(name, j) of a per-group column ``name[j]``, else None."""
+    name, bracket, rest = column.partition("[")
+    if not bracket or not rest.endswith("]") or not rest[:-1].isdigit() \
+            or name not in GROUP_NOISE_METRICS:
+        return None
+    return name, int(rest[:-1])
+
+
 def check_names(names) -> None:
-    """Raise ValueError for any metric name that ``METRICS`` does not define."""
-    unknown = [k for k in names if k not in METRICS]
+    """Raise ValueError for any metric name that ``METRICS`` does not define (per-group columns,
+    ``group_metric``'s, are defined by their name)."""
+    unknown = [k for k in names if k not in METRICS and split_group_metric(k) is None]
     if unknown:
         raise ValueError(f"unknown metric name(s) {unknown}; hvd_scale.metrics.METRICS defines "
                          f"{list(METRICS)}")

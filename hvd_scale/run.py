@@ -3,7 +3,8 @@
     RunState     the policy's record (``hvd_scale.state.PolicyState``: steps, tau, skipped, the
                  latest lr factor, the estimates) and the run's layout and step-to-step values:
                  S, k, the workers, whether statistics are taken, the skips in a row, the lr the
-                 latest step applied; one dict form and one vector form, each with its version
+                 latest step applied, the noise scale's record (``hvd_scale.noise.NoiseState``);
+                 one dict form and one vector form, each with its version
     Setup        what no step changes: the policy (a rule and its options), the parameter groups,
                  what a non-finite step does, whether short steps can happen, adapt's bounds,
                  what the statistics were asked to read (``samples=``)
@@ -42,12 +43,12 @@ rank, nothing applied nor counted); drop the leftover batch or take at least 1 /
 The dict form (torch's ``state_dict``, broadcasts):
 
     {"version", "policy": PolicyState's dict, "scale", "passes", "workers", "measure",
-     "skips_in_a_row", "last_lr"}
+     "skips_in_a_row", "last_lr", "noise": NoiseState's dict}
 
 The vector form (Keras's ``hvd_scale_state``), float64:
 
     [version, policy, scale, passes, workers, measure, skips_in_a_row, last_lr,
-     PolicyState's vector]
+     PolicyState's vector, NoiseState's vector]
 
 where ``policy`` is the spec's code (``policy_code``): a variable holds numbers only, and a
 record of one policy read by another would feed its estimates into the wrong rule (adascale's
@@ -65,6 +66,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .moments import EPS_CORRECTED, AdamStep, adam_step, moment_progress
+from .noise import NoiseState, advance as advance_noise
 from .policies import Policy, StepInfo
 from .estimate import check_samples, samples_read
 from .reduce import unpack_step
@@ -79,8 +81,11 @@ from .state import PolicyState
 # 7: the vector names the policy that saved it (``policy_code``). The dict is version 6's (it
 #    always held the spec) and a version-6 dict loads as it is; a version-6 vector (one value
 #    shorter) is migrated only by a caller that knows which policy saved it (``migrate_vector``).
-VERSION = 7
-KEYS = {"version", "policy", "scale", "passes", "workers", "measure", "skips_in_a_row", "last_lr"}
+# 8: the noise scale's record (``hvd_scale.noise``) after the policy's, in both forms; a record
+#    of version 6 or 7 takes a fresh one (no interval until its window is full).
+VERSION = 8
+KEYS = {"version", "policy", "scale", "passes", "workers", "measure", "skips_in_a_row", "last_lr",
+        "noise"}
 HEAD = 8  # the vector's fields before the policy's record
 VERSION_INDEX, POLICY_INDEX, SCALE_INDEX, PASSES_INDEX = 0, 1, 2, 3  # a graph may read these
 STEPS_INDEX = HEAD + POLICY_STEPS_INDEX
@@ -112,6 +117,7 @@ class RunState:
     measure: bool         # statistics are taken (fixed by the adapter's set-up)
     skips_in_a_row: int = 0
     last_lr: float = math.nan  # the lr the latest applied step used (nan: none yet)
+    noise: NoiseState = dataclasses.field(default_factory=NoiseState)  # noise scale's interval
 
     @property
     def micro_gradients(self) -> int:
@@ -131,7 +137,7 @@ class RunState:
                                               smoothing=policy.smoothing),
                 "scale": self.scale, "passes": self.passes, "workers": self.workers,
                 "measure": self.measure, "skips_in_a_row": self.skips_in_a_row,
-                "last_lr": self.last_lr}
+                "last_lr": self.last_lr, "noise": self.noise.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Any, setup: "Setup") -> "RunState":
@@ -143,26 +149,28 @@ class RunState:
             state = setup.policy.load_state(d)
             scale = float(d.get("estimator", {}).get("scale", 1.0))
             return cls(state, scale, 0, 0, False)
-        if not isinstance(d, Mapping) or set(d) != KEYS:
+        if not isinstance(d, Mapping) or set(d) not in (KEYS, KEYS - {"noise"}):
             got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
             raise ValueError(f"hvd_scale run state: expected keys {sorted(KEYS)}, got {got}")
-        if d["version"] not in (6, VERSION):  # 6: the same dict
+        if d["version"] not in (6, 7, VERSION):  # 6, 7: the same dict without the noise record
             raise ValueError(f"hvd_scale run state version {d['version']!r} is not supported "
-                             f"(expected {VERSION} or 6, or a policy state of version <= 5)")
+                             f"(expected {VERSION}, 7 or 6, or a policy state of version <= 5)")
+        noise = NoiseState() if d.get("noise") is None else NoiseState.from_dict(d["noise"])
         return cls(setup.policy.load_state(d["policy"]), float(d["scale"]), int(d["passes"]),
                    int(d["workers"]), bool(d["measure"]), int(d["skips_in_a_row"]),
-                   float(d["last_lr"]))
+                   float(d["last_lr"]), noise)
 
     # -- the vector ----------------------------------------------------------------------------
     @staticmethod
     def vector_size(groups: int) -> int:
-        return HEAD + PolicyState.vector_size(groups)
+        return HEAD + PolicyState.vector_size(groups) + NoiseState.vector_size(groups)
 
     def to_vector(self, setup: "Setup") -> np.ndarray:
         head = [VERSION, policy_code(setup.policy), self.scale, self.passes, self.workers,
                 float(self.measure), self.skips_in_a_row, self.last_lr]
         return np.concatenate([np.asarray(head, dtype=np.float64),
-                               self.policy.to_vector(setup.groups)])
+                               self.policy.to_vector(setup.groups),
+                               self.noise.to_vector(setup.groups)])
 
     @classmethod
     def from_vector(cls, vector, setup: "Setup") -> "RunState":
@@ -184,8 +192,10 @@ class RunState:
                              f"{setup.policy.spec!r}; build the policy from the same spec to "
                              "resume (Keras's hvd_scale_state holds another policy's record: "
                              "its estimates would give this policy a wrong lr)")
-        return cls(PolicyState.from_vector(v[HEAD:], groups), scale, int(passes), int(workers),
-                   bool(measure), int(skips), last_lr)
+        policy_end = HEAD + PolicyState.vector_size(groups)
+        return cls(PolicyState.from_vector(v[HEAD:policy_end], groups), scale, int(passes),
+                   int(workers), bool(measure), int(skips), last_lr,
+                   NoiseState.from_vector(v[policy_end:], groups))
 
 
 def policy_code(policy: Policy) -> float:
@@ -209,12 +219,17 @@ def _named(code: float) -> str:
 
 
 def migrate_vector(vector, setup: "Setup", *, saved_by_this_policy: bool) -> np.ndarray:
-    """A saved vector as this version's: a version-6 vector (no policy in it) gets ``setup``'s
-    policy when the caller knows it saved the vector (``saved_by_this_policy``: e.g. Keras's
-    optimizer rebuilt from the config saved with it), and is refused otherwise, naming what to
-    do; any other vector is returned as it is (``from_vector`` checks it)."""
+    """A saved vector as this version's: a version-7 vector (no noise record) gets a fresh
+    noise record; a version-6 vector (no policy in it either) gets ``setup``'s policy when the
+    caller knows it saved the vector (``saved_by_this_policy``: e.g. Keras's optimizer rebuilt
+    from the config saved with it), and is refused otherwise, naming what to do; any other
+    vector is returned as it is (``from_vector`` checks it)."""
     v = np.asarray(vector, dtype=np.float64)
-    if v.shape != (RunState.vector_size(setup.groups) - 1,) or v[VERSION_INDEX] != 6:
+    fresh = NoiseState().to_vector(setup.groups)
+    before_noise = RunState.vector_size(setup.groups) - fresh.size  # a version-7 vector's size
+    if v.shape == (before_noise,) and v[VERSION_INDEX] == 7:
+        return np.concatenate([[VERSION], v[1:], fresh])
+    if v.shape != (before_noise - 1,) or v[VERSION_INDEX] != 6:
         return v
     if not saved_by_this_policy:
         raise ValueError(
@@ -224,7 +239,7 @@ def migrate_vector(vector, setup: "Setup", *, saved_by_this_policy: bool) -> np.
             "whole model with keras.models.load_model (its saved config names the policy, and "
             "the record is then taken as that policy's) and save it again, or resume with the "
             "hvd_scale that saved it (nothing was changed)")
-    return np.concatenate([[VERSION, policy_code(setup.policy)], v[1:]])
+    return np.concatenate([[VERSION, policy_code(setup.policy)], v[1:], fresh])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +350,7 @@ def restored(setup: Setup, run: RunState, saved: RunState, *, take_passes: bool)
         raise ValueError(f"checkpoint has statistics for {groups} parameter group(s), this "
                          f"optimizer has {setup.groups}")
     taken = dataclasses.replace(run, policy=saved.policy, skips_in_a_row=saved.skips_in_a_row,
-                                last_lr=saved.last_lr)
+                                last_lr=saved.last_lr, noise=saved.noise)
     return relayout(setup, taken, passes=k)
 
 
@@ -486,7 +501,9 @@ def host_step(setup: Setup, run: RunState, inputs: StepInputs,
                          f"({run.workers} workers x {run.passes} announced) cannot be "
                          f"measured: {e}") from e
     after = dataclasses.replace(run, policy=record, skips_in_a_row=0,
-                                last_lr=float(base_lr) * info.lr_factor)
+                                last_lr=float(base_lr) * info.lr_factor,
+                                noise=advance_noise(run.noise, run.policy.estimator,
+                                                    record.estimator, policy.theta(scale)))
     plan[:, 0] = info.lr_factor
     plan[:, 1] = user[:, 0] * info.lr_factor
     if policy.moments_in_progress:

@@ -124,12 +124,13 @@ def test_broadcast_state_before_the_wrap_names_the_fix():
 
 @pytest.mark.timeout(120)
 def test_a_version_6_torch_checkpoint_resumes_as_it_is():
-    """Version 7 changed the vector only: a version-6 dict is today's."""
+    """Version 7 changed the vector only, version 8 added the noise record: a version-6 dict
+    (with or without it) is today's."""
     model = _model()
     opt = _opt(model, "adascale", 2)
     _step(model, opt, XS[:2])
     saved = copy.deepcopy(opt.state_dict())
-    assert saved["hvd_scale"]["version"] == 7
+    assert saved["hvd_scale"]["version"] == 8
     saved["hvd_scale"]["version"] = 6
     resumed = _opt(_model(), "adascale", 2)
     resumed.load_state_dict(saved)
@@ -158,7 +159,7 @@ def test_a_keras_vector_names_its_policy_and_another_policy_is_refused():
     from hvd_scale.spec import make_policy
     setup, run = _run_of("adascale")
     vector = run.to_vector(setup)
-    assert vector[runs.VERSION_INDEX] == runs.VERSION == 7
+    assert vector[runs.VERSION_INDEX] == runs.VERSION == 8
     assert RunState.from_vector(vector, setup) == run
     adam = runs.Setup(policy=make_policy("adascale_adam"))
     with pytest.raises(ValueError, match=r"checkpoint was saved by policy 'adascale', this job "
@@ -189,10 +190,12 @@ def test_a_version_6_vector_is_taken_only_where_its_policy_is_known():
     optimizer from the config saved with it, so the policy is known and the record migrates;
     elsewhere it is refused, naming what to do."""
     from hvd_scale import run as runs
+    from hvd_scale.noise import NoiseState
     from hvd_scale.run import RunState
     setup, run = _run_of("adascale")
     vector = run.to_vector(setup)
-    old = np.concatenate([[6.0], vector[2:]])  # [6, S, k, W, measure, skips, last lr, policy]
+    noise = NoiseState.vector_size(setup.groups)  # version 8's noise record, after the policy's
+    old = np.concatenate([[6.0], vector[2:-noise]])  # [6, S, k, W, measure, skips, last lr, policy]
     with pytest.raises(ValueError, match=r"a version 6 record, which does not name the policy "
                                          r"that saved it, and this optimizer runs 'adascale'.*"
                                          r"keras.models.load_model"):
