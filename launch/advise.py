@@ -28,7 +28,8 @@ from typing import Sequence
 import numpy as np
 
 from hvd_scale import goodput
-from hvd_scale.launch.plot import read_run
+from hvd_scale.launch import batch_schedule
+from hvd_scale.launch.plot import noise_text, read_run
 from hvd_scale.metrics import TIMING_METRICS, check_names
 from hvd_scale.spec import make_policy
 
@@ -192,7 +193,9 @@ def basis(workers: int, measured: Sequence[int]) -> int | None:
 def advise(log_dirs: str | os.PathLike | Sequence[str | os.PathLike], *,
            workers: Sequence[int] = (1, 2, 4, 8), passes: Sequence[int] = (1, 2, 4, 8, 16),
            micro_batch_factors: Sequence[float] = (1,), budget: float | None = None,
-           window: int | None = None, plot: str | None = None) -> str:
+           window: int | None = None, plot: str | None = None, schedule: str | None = None,
+           base_batch: int | None = None, seq_len: int | None = None,
+           max_batch: int | None = None, schedule_out: str | None = None) -> str:
     """The report (text) on one log directory or several (runs at different W: each W measured
     is predicted from its own steps). The statistics, policy and budget are the first log's that
     has statistics. Raises FileNotFoundError or ValueError, naming the log and what it lacks."""
@@ -290,7 +293,7 @@ def advise(log_dirs: str | os.PathLike | Sequence[str | os.PathLike], *,
           if i != p],
         f"statistics at step {steps[latest]:g}{f' of {log_dir}' if several else ''}: "
         f"sigma2 = {sigma2:.4g}, mu2 = {mu2:.4g}, "
-        f"noise scale {sigma2 / mu2 if mu2 > 0 else math.inf:.3g} baseline batches"
+        f"noise scale (baseline batches) {noise_text(columns, latest)}"
         + (f"; gain capped at {cap:g} (the policy's max_gain)" if math.isfinite(cap) else ""),
     ]
     for w in measured_w:
@@ -357,6 +360,15 @@ def advise(log_dirs: str | os.PathLike | Sequence[str | os.PathLike], *,
         + (f"; T = {budget:g} baseline steps in {_duration(budget / top.goodput)} at today's "
            f"statistics" if budget else ""),
     ]
+    if schedule is not None:  # the batch schedule for a trainer of one's own (batch_schedule.py)
+        segments, use = batch_schedule.plan(columns, base_batch, max_batch)
+        text = batch_schedule.render(schedule, segments, seq_len)
+        lines += ["", batch_schedule.describe(segments, use, base_batch)]
+        if schedule_out:
+            pathlib.Path(schedule_out).write_text(text)
+            lines.append(f"wrote {schedule_out} ({schedule})")
+        else:
+            lines += [f"{schedule}:", text.rstrip("\n")]
     if plot:
         plot_efficiency(columns, stats, cap, measured.scale, plot)
         lines.append(f"wrote {plot}")

@@ -29,6 +29,7 @@ from typing import Sequence
 
 from hvd_scale.adapters.log import check_every
 from hvd_scale.launch import engines, jobs
+from hvd_scale.launch.batch_schedule import FORMATS as SCHEDULE_FORMATS
 from hvd_scale.spec import describe_policies, parse_spec
 
 DESCRIPTION = ("Run a training script under horovodrun, Ray, Spark or torchrun with a "
@@ -394,7 +395,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
     try:
         print(advise(args.log_dirs, workers=args.workers, passes=args.passes,
                      micro_batch_factors=args.micro_batch_factors, budget=args.budget,
-                     window=args.window, plot=args.plot))
+                     window=args.window, plot=args.plot, schedule=args.schedule,
+                     base_batch=args.base_batch, seq_len=args.seq_len, max_batch=args.max_batch,
+                     schedule_out=args.schedule_out))
     except (FileNotFoundError, ValueError) as e:
         print(f"hvd-scale advise: {e}", file=sys.stderr)
         return 2
@@ -550,6 +553,23 @@ def build_parser() -> argparse.ArgumentParser:
                              "of the timed steps, at least 10).")
     advise.add_argument("--plot", default=None, metavar="FILE.png",
                         help="Also draw the efficiency r(S)/S against S through training.")
+    export = advise.add_argument_group(
+        "batch schedule export", "Write the batch schedule the measured noise scale allows, for a "
+        "trainer of one's own (docs/choosing-the-batch.md).")
+    export.add_argument("--schedule", default=None, choices=SCHEDULE_FORMATS,
+                        help="The form: Megatron-LM's --step-batch-size-schedule, OLMo-core's "
+                             "BatchSizeSchedulerCallback config (JSON), Levanter's "
+                             "train_batch_size segments (YAML).")
+    export.add_argument("--base-batch", type=int, default=None, metavar="SAMPLES",
+                        help="The baseline batch B0 in samples (the batch S counts in); "
+                             "required with --schedule.")
+    export.add_argument("--seq-len", type=int, default=None, metavar="TOKENS",
+                        help="Tokens per sample: Megatron-LM's thresholds and OLMo-core's "
+                             "batches count tokens.")
+    export.add_argument("--max-batch", type=int, default=None, metavar="SAMPLES",
+                        help="The largest batch the schedule may reach (default: none).")
+    export.add_argument("--schedule-out", default=None, metavar="FILE",
+                        help="Write the schedule there (default: printed after the report).")
     return parser
 
 

@@ -3,7 +3,9 @@
 Panels: the lr factor each step applied (AdaScale's gain r, adascale_adam's sqrt(r), a fixed
 rule's own factor: one quantity for every policy), the effective lr (on a log axis, so that each
 decay shows as a step of its own size) and tau against the optimizer step; a metric (the loss by
-default) against tau. Each run is labelled by its directory's name (or a label given for it),
+default) against tau; the noise scale B_simple = sigma2 / mu2 against tau with its 95% interval
+shaded (``hvd_scale.noise``), for the whole model and, where a run has two parameter groups or
+more, per group. Each run is labelled by its directory's name (or a label given for it),
 then its policy from run.json and its S as the log's ``scale`` column went over its full steps:
 ``S=2->1->2`` for an elastic run that lost a worker and got it back (run.json holds only the S it
 started at). A short step (``short_step``: an epoch's leftover batch, its row at its own S)
@@ -17,6 +19,11 @@ import json
 import math
 import pathlib
 from typing import Sequence
+
+from hvd_scale.metrics import GROUP_NOISE_METRICS, check_names, group_metric, split_group_metric
+
+NOISE, LOW, HIGH = GROUP_NOISE_METRICS  # the whole model's columns have the same names
+check_names(GROUP_NOISE_METRICS)
 
 
 # An S history longer than this is shortened in the label to as many items: the first values,
@@ -68,6 +75,32 @@ def read_run(run_dir: str | pathlib.Path,
     return run_label(name or run_dir.resolve().name, info, columns), columns
 
 
+def groups_logged(columns: dict[str, list[float]]) -> int:
+    """How many parameter groups the log has per-group noise columns for (0: none)."""
+    found = [split_group_metric(k) for k in columns]
+    return 1 + max((g[1] for g in found if g is not None), default=-1)
+
+
+def _interval(low: float, high: float) -> str:
+    return f"[{low:.3g}, {high:.3g}] (95%)" if math.isfinite(low) else "(no interval yet)"
+
+
+def noise_text(columns: dict[str, list[float]], row: int) -> str:
+    """The noise scale at ``row`` with its 95% interval, and each group's where logged:
+    ``3.2 [2.9, 3.6] (95%); per group: 0: 1.1 [0.9, 1.4] (95%), 1: ...``."""
+    value = lambda name: columns.get(name, [math.nan] * (row + 1))[row]  # noqa: E731
+    text = f"{value(NOISE):.3g}"
+    if LOW in columns:
+        text += f" {_interval(value(LOW), value(HIGH))}"
+    groups = groups_logged(columns)
+    if groups:
+        text += "; per group: " + ", ".join(
+            f"{j}: {value(group_metric(NOISE, j)):.3g} "
+            f"{_interval(value(group_metric(LOW, j)), value(group_metric(HIGH, j)))}"
+            for j in range(groups))
+    return text
+
+
 def has_values(columns: dict[str, list[float]], name: str) -> bool:
     """The log has the column and a value in it (not nan throughout)."""
     return name in columns and not all(math.isnan(v) for v in columns[name])
@@ -111,7 +144,7 @@ def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None,
     asked, metric = metric is not None, metric or "loss"
     if asked:
         check_metric(metric, run_dirs, runs)
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    fig, axes = plt.subplots(3, 2, figsize=(10, 10), constrained_layout=True)
     panels = [(axes[0, 0], "step", "lr_factor", "lr factor applied (AdaScale: r; adascale_adam: "
                "sqrt(r))"), (axes[0, 1], "step", "lr", "effective lr"),
               (axes[1, 0], "step", "progress", "tau (baseline steps)"),
@@ -130,6 +163,41 @@ def plot_runs(run_dirs: Sequence[str], output: str, metric: str | None = None,
                         "ScalingMetrics callback)", ha="center", va="center",
                         transform=axes[1, 1].transAxes)
     axes[0, 0].legend(fontsize=8)
+    plot_noise(axes[2, 0], axes[2, 1], runs)
     fig.savefig(output, dpi=80)
     plt.close(fig)
     return fig
+
+
+def _band(ax, columns, x, point, low, high, label, **style):
+    """The noise scale against tau, its 95% interval shaded (an open high end drawn to the top)."""
+    line, = ax.plot(columns[x], columns[point], label=label, **style)
+    if has_values(columns, low):
+        top = [h if math.isfinite(h) else math.nan for h in columns[high]]
+        ax.fill_between(columns[x], columns[low], top, color=line.get_color(), alpha=0.2,
+                        linewidth=0)
+
+
+def plot_noise(whole, groups, runs) -> None:
+    """The noise scale B_simple with its 95% interval: the whole model (``whole``) and each
+    parameter group (``groups``) against tau, on log y axes."""
+    for label, cols in runs:
+        if "progress" in cols and has_values(cols, NOISE):
+            _band(whole, cols, "progress", NOISE, LOW, HIGH, label)
+        for j in range(groups_logged(cols)):
+            _band(groups, cols, "progress", group_metric(NOISE, j), group_metric(LOW, j),
+                  group_metric(HIGH, j), f"{label}, group {j}", linestyle="--")
+    for ax, title in ((whole, "noise scale sigma2 / mu2 (baseline batches), 95% interval"),
+                      (groups, "noise scale per parameter group")):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("tau")
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.set_yscale("log")
+            ax.legend(fontsize=7)
+    if not whole.has_data():
+        whole.text(0.5, 0.5, "no noise scale logged\n(a policy that measures, or measure=True)",
+                   ha="center", va="center", transform=whole.transAxes)
+    if not groups.has_data():
+        groups.text(0.5, 0.5, "one parameter group\n(or a log without per-group columns)",
+                    ha="center", va="center", transform=groups.transAxes)

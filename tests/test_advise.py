@@ -360,3 +360,157 @@ def test_a_w_between_or_beyond_is_extrapolated_from_the_nearest_measured(tmp_pat
     assert cli.main(["advise", str(a), str(b)]) == 2
     err = capsys.readouterr().err
     assert f"{a} and {b}: no step has statistics" in err
+
+
+# -- the batch schedule for a trainer of one's own (launch/batch_schedule.py) --------------------
+
+B0, SEQ = 32, 1024  # the baseline batch in samples; tokens per sample
+
+
+def write_noise_log(log_dir, *, interval=True):
+    """Rows whose noise scale's low end is 0.15 x step baseline batches (tau = 8 x step): it
+    passes 2 at step 14, 4 at step 27, 8 at step 54, 16 never (100 steps)."""
+    logger = MetricsLogger(log_dir, run_info={"policy": "adascale", "scale": S, "workers": W},
+                           budget=BUDGET, progress_bar=False, tensorboard=False)
+    for step in range(1, STEPS + 1):
+        low = 0.15 * step
+        row = {"step": step, "progress": step * S, "scale": S, "passes": K, "sigma2": low,
+               "mu2": 0.8, "noise_scale": low / 0.8, "pass_time": PASS,
+               "allreduce_time": ALLREDUCE, "update_time": UPDATE,
+               "step_time": K * PASS + ALLREDUCE + UPDATE}
+        if interval:
+            row.update(noise_scale_low=low, noise_scale_high=low / 0.64)
+        logger.log(row)
+    logger.close()
+    return log_dir
+
+
+EXPECTED = [(0, 32), (14 * 8 * B0, 64), (27 * 8 * B0, 128), (54 * 8 * B0, 256)]  # samples, batch
+
+
+def _megatron_parse(schedule: str):
+    """Megatron-LM's documented syntax (StepBatchsizeNumMicroBatchesCalculator._parse_schedule
+    and _validate_schedule): "THRESHOLD:BS ...", spaces or commas, K/M/B/T suffixes; the first
+    threshold 0, strictly increasing; batch sizes > 0."""
+    units = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+    def number(text):
+        text = text.strip().upper()
+        scale = units.get(text[-1:], 1)
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+
+    pairs = []
+    for entry in schedule.strip().replace(",", " ").split():
+        assert ":" in entry, entry
+        threshold, batch = entry.split(":", 1)
+        pairs.append((number(threshold), number(batch)))
+    assert pairs and pairs[0][0] == 0
+    assert all(b[0] > a[0] for a, b in zip(pairs, pairs[1:]))
+    assert all(batch > 0 for _, batch in pairs)
+    return pairs
+
+
+def test_schedule_megatron_follows_its_documented_syntax(tmp_path, capsys):
+    log_dir = write_noise_log(tmp_path / "run")
+    assert cli.main(["advise", str(log_dir), "--schedule", "megatron", "--base-batch", str(B0),
+                     "--seq-len", str(SEQ)]) == 0
+    out = capsys.readouterr().out
+    # the noise scale with its interval in the report
+    assert "noise scale (baseline batches) 18.8 [15, 23.4] (95%)" in out
+    flag = [line for line in out.splitlines() if line.startswith("--step-batch-size-schedule")]
+    assert len(flag) == 1
+    pairs = _megatron_parse(flag[0].split(" ", 1)[1].strip().strip('"'))
+    assert pairs == [(samples * SEQ, batch) for samples, batch in EXPECTED]  # thresholds: tokens
+    assert "low end of the noise scale's 95% interval" in out
+    assert "--global-batch-size" in out  # said to be left out
+
+
+def test_schedule_olmo_core_follows_its_documented_syntax(tmp_path, capsys):
+    log_dir = write_noise_log(tmp_path / "run")
+    target = tmp_path / "batch.json"
+    assert cli.main(["advise", str(log_dir), "--schedule", "olmo-core", "--base-batch", str(B0),
+                     "--seq-len", str(SEQ), "--max-batch", "200",
+                     "--schedule-out", str(target)]) == 0
+    assert f"wrote {target} (olmo-core)" in capsys.readouterr().out
+    config = json.loads(target.read_text())
+    # BatchSizeSchedulerCallback.__post_init__'s checks, as documented in its source
+    sizes, schedule = config["batch_sizes"], config["schedule"]
+    assert set(config) == {"batch_sizes", "schedule"} and len(sizes) == len(schedule)
+    assert {d["unit"] for d in schedule} == {"tokens"} and schedule[0]["value"] == 0
+    assert all(set(d) == {"value", "unit"} and isinstance(d["value"], int) for d in schedule)
+    assert all(b["value"] > a["value"] for a, b in zip(schedule, schedule[1:]))
+    for before, after in zip(sizes, sizes[1:]):
+        assert after != before and (after % before == 0 if after > before else
+                                    before % after == 0)
+    # global batch sizes in tokens; --max-batch 200 samples stops at 128
+    assert sizes == [batch * SEQ for _, batch in EXPECTED[:3]]
+    assert [d["value"] for d in schedule] == [samples * SEQ for samples, _ in EXPECTED[:3]]
+
+
+def test_schedule_levanter_follows_its_documented_syntax(tmp_path, capsys):
+    yaml = pytest.importorskip("yaml")
+    log_dir = write_noise_log(tmp_path / "run")
+    assert cli.main(["advise", str(log_dir), "--schedule", "levanter", "--base-batch",
+                     str(B0)]) == 0
+    out = capsys.readouterr().out
+    text = out[out.index("levanter:\n") + len("levanter:\n"):]
+    steps = yaml.safe_load(text)["trainer"]["train_batch_size"]
+    # ScheduleStep(start, value): validate_schedule_sorted's checks
+    assert all(set(s) == {"start", "value"} for s in steps) and steps[0]["start"] == 0
+    assert all(b["start"] >= a["start"] for a, b in zip(steps, steps[1:]))
+    assert [s["value"] for s in steps] == [batch for _, batch in EXPECTED]
+    # BatchSchedule's offsets: each segment starts where the samples reach its threshold, within
+    # one step of the previous batch
+    offset = 0
+    for before, step, (threshold, _) in zip(steps, steps[1:], EXPECTED[1:]):
+        offset += (step["start"] - before["start"]) * before["value"]
+        assert threshold <= offset < threshold + before["value"]
+
+
+def test_schedule_from_an_older_log_and_what_is_refused(tmp_path, capsys):
+    log_dir = write_noise_log(tmp_path / "old", interval=False)  # no interval columns
+    assert cli.main(["advise", str(log_dir), "--schedule", "levanter", "--base-batch",
+                     str(B0)]) == 0
+    out = capsys.readouterr().out
+    assert "point estimate" in out
+    assert "noise scale (baseline batches) 18.8 (no interval yet)\n" in out
+    assert cli.main(["advise", str(log_dir), "--schedule", "megatron",
+                     "--base-batch", str(B0)]) == 2
+    assert "--schedule megatron counts tokens: give --seq-len" in capsys.readouterr().err
+    assert cli.main(["advise", str(log_dir), "--schedule", "levanter"]) == 2
+    assert "--base-batch must be a whole number of samples >= 1" in capsys.readouterr().err
+    no_noise = write_log(tmp_path / "no_noise")  # sigma2 and mu2, no noise_scale column
+    assert cli.main(["advise", str(no_noise), "--schedule", "levanter", "--base-batch",
+                     str(B0)]) == 2
+    assert "the log has no noise scale" in capsys.readouterr().err
+
+
+def test_plot_draws_the_noise_scale_with_its_interval_and_per_group(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import PolyCollection
+
+    from hvd_scale.launch.plot import plot_runs
+    from hvd_scale.metrics import group_metric
+
+    log_dir = tmp_path / "two_groups"
+    logger = MetricsLogger(log_dir, run_info={"policy": "adascale", "scale": S, "workers": W},
+                           progress_bar=False, tensorboard=False)
+    for step in range(1, 21):
+        row = {"step": step, "progress": step * S, "noise_scale": 2.0 + step,
+               "noise_scale_low": 1.5 + step, "noise_scale_high": math.inf if step < 5 else
+               3.0 + step}
+        for j in (0, 1):
+            row.update({group_metric("noise_scale", j): (j + 1) * step,
+                        group_metric("noise_scale_low", j): (j + 0.5) * step,
+                        group_metric("noise_scale_high", j): (j + 1.5) * step})
+        logger.log(row)
+    logger.close()
+    fig = plot_runs([str(log_dir)], str(tmp_path / "p.png"))
+    whole, groups = fig.axes[4], fig.axes[5]
+    assert len(whole.lines) == 1 and len(groups.lines) == 2
+    assert sum(isinstance(c, PolyCollection) for c in whole.collections) == 1
+    assert sum(isinstance(c, PolyCollection) for c in groups.collections) == 2
+    assert whole.get_yscale() == "log"
+    # a one-group log: the group panel says why it is empty
+    fig = plot_runs([str(write_noise_log(tmp_path / "one"))], str(tmp_path / "q.png"))
+    assert not fig.axes[5].lines and "one parameter group" in fig.axes[5].texts[0].get_text()
