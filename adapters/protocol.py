@@ -74,9 +74,10 @@ class FrameworkOptimizer(Protocol):
     def reduced_statistics(self, step: Any) -> tuple[Any, Any, Any, Any]:
         """(step, statistics, finite, count) after the gradients' allreduce: ``step`` as the
         next hooks need it (Keras: the mean gradients); statistics is
-        ``[s_0..s_{G-1}, c, q_0..q_{G-1}]`` (``hvd_scale.reduce``'s step layout) summed over
-        workers, s_j the squared norms of each micro-batch's own gradient in group j, c the
-        micro-batches, q_j = |g_bar|^2 of the averaged gradient; None when nothing is measured,
+        ``[s_0..s_{G-1}, c, w, q_0..q_{G-1}]`` (``hvd_scale.reduce.StepRecord.pack``: 2 G + 2
+        numbers) summed over workers, s_j the squared norms of the samples read in group j
+        (each micro-batch's own gradient, or each worker's sum once), c the micro-batches, w
+        the samples, q_j = |g_bar|^2 of the mean gradient; None when nothing is measured,
         and then ``finite`` says whether the averaged gradient is finite and ``count`` is the
         micro-batches counted over workers (None: every worker took k)."""
 

@@ -39,6 +39,7 @@ by the group's size before its SUM allreduce, as DDP's default does on NCCL and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from typing import Any, Callable
 
@@ -55,6 +56,7 @@ from hvd_scale.policies import Policy
 
 from .norms import norms
 from .optimizer import TorchOptimizer, scaling_for
+from .statistics import StepStatistics
 
 FSDP_REFUSED = (
     "hvd_scale does not support FSDP yet: FSDP reduce-scatters each gradient, so no rank holds "
@@ -97,20 +99,35 @@ STATIC_GRAPH_REFUSED = (
     "per step")
 
 
-def _weak_hook(optimizer):
-    """DDP's communication hook calling ``optimizer._comm_hook`` through a weak reference: DDP's
-    reducer (C++) holds the hook, and a hook holding the optimizer, which holds the DDP model,
-    would be a cycle the collector cannot see: the model and its process group would outlive
-    the script, to be freed during the interpreter's exit (docs/troubleshooting.md)."""
-    method = weakref.WeakMethod(optimizer._comm_hook)
+@dataclasses.dataclass
+class StatisticsHookState:
+    """The state of hvd_scale's DDP communication hook (``statistics_hook``), as torch's hooks
+    keep theirs (``PowerSGDState``; ``fp16_compress_wrapper``'s wrapped hook): the user's hook
+    and its state, which it wraps, and the engine that measures.
 
-    def hook(state, bucket):
-        bound = method()
-        if bound is None:
-            raise RuntimeError("hvd_scale: the DistributedOptimizer of this DDP model was deleted "
-                               "while the model still trains: keep it as long as the model")
-        return bound(state, bucket)
-    return hook
+    ``engine`` is a weak reference: DDP's reducer (C++) holds this state, and a state holding
+    the engine, which holds the DDP model, would be a cycle the collector cannot see: the model
+    and its process group would outlive the script, to be freed during the interpreter's exit
+    (docs/troubleshooting.md). ``closed`` (``opt.close()``): DDP cannot unregister a
+    communication hook, so from then on each bucket passes straight to the user's hook."""
+
+    user_hook: Callable
+    user_state: Any
+    engine: Callable[[], Any]  # weakref.ref to the DDPEngine
+    closed: bool = False
+
+
+def statistics_hook(state: StatisticsHookState, bucket):
+    """DDP's communication hook: the bucket's statistics around the user's hook (the engine's
+    ``comm_hook``), or the user's hook alone once closed."""
+    if state.closed:
+        return state.user_hook(state.user_state, bucket)
+    engine = state.engine()
+    if engine is None:
+        raise RuntimeError("hvd_scale: the DistributedOptimizer of this DDP model was deleted "
+                           "while the model still trains: keep it as long as the model, or call "
+                           "opt.close() first")
+    return engine.comm_hook(state, bucket)
 
 
 class TorchDistributedBinding:
@@ -159,6 +176,283 @@ def _ddp_model(model) -> DistributedDataParallel:
     return model
 
 
+def _check_parameters(optimizer, ddp) -> None:
+    """The optimizer trains exactly the parameters DDP averages: another would train apart
+    on each worker, and one DDP averages but the optimizer does not hold would be counted
+    in the statistics (its bucket's norm) but never applied."""
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    averaged = {id(p): p for name, p in ddp.module.named_parameters()
+                if name not in ignored and p.requires_grad}
+    held = {id(p): p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    stray = [tuple(p.shape) for key, p in held.items() if key not in averaged]
+    unheld = [tuple(p.shape) for key, p in averaged.items() if key not in held]
+    if stray or unheld:
+        raise ValueError(
+            "hvd_scale: the optimizer must train exactly the parameters the "
+            "DistributedDataParallel model averages; "
+            + (f"{len(stray)} of the optimizer's are not averaged by it (shapes {stray})"
+               if stray else f"{len(unheld)} it averages are not in the optimizer (shapes "
+               f"{unheld}): freeze them (requires_grad=False) before wrapping in DDP, or "
+               "give them to the optimizer"))
+
+
+class DDPEngine:
+    """``engine.Engine`` over a ``DistributedDataParallel`` model: a communication hook
+    (``statistics_hook`` over ``StatisticsHookState``) takes each bucket's norms before the
+    user's hook (or DDP's allreduce) and |g_bar|^2 of what it returns; the statistics go out in
+    an allreduce of their own on the model's process group after the last bucket's."""
+
+    name = "ddp"
+    sharded = False
+    averaged = True  # DDP leaves the mean over workers of each worker's sum
+    stats_dtype = torch.float64  # an allreduce of its own: exact counts, no overflow
+
+    def __init__(self, ddp: DistributedDataParallel, scaling, passes: int, adapt: str | None,
+                 comm_hook: Callable | tuple | None, grad_scaler: Any):
+        self.ddp, self.group, self.scaling = ddp, ddp.process_group, scaling
+        self.grad_scaler = grad_scaler
+        self.measure = scaling.measure
+        self.denominators: dict[int, torch.Tensor] = {}  # adascale_adam's, per bucket index
+        # The norms are taken in DDP's buckets at the synchronizing pass: each pass's gradient at
+        # k = 1, each worker's sum of its passes with samples="workers" (a count hook on a few
+        # parameters counts them). Per-pass statistics with accumulation (or adapt: k may
+        # change) see each pass's gradient only in a tensor hook, before it is added.
+        self.bucketed = self.measure and (passes == 1 and adapt is None
+                                          or scaling.samples == "workers")
+        self.accumulates = passes > 1 or adapt is not None
+        # (At k = 1: every worker took the one pass DDP synchronized, n = workers.)
+        state, hook = comm_hook if isinstance(comm_hook, tuple) else (self.group, comm_hook)
+        if self.measure and (isinstance(state, PowerSGDState)
+                             or hook in (powerSGD_hook, batched_powerSGD_hook)):
+            raise ValueError(POWERSGD_REFUSED.format(policy=scaling.policy.spec))
+        self.hook_state = StatisticsHookState(hook or allreduce_hook, state, weakref.ref(self))
+        self.statistics: StepStatistics | None = None
+
+    def attach(self, statistics: StepStatistics) -> None:
+        """The tensor hooks (per-pass norms, or the passes counted), then DDP's communication
+        hook: refused (and the tensor hooks removed) where the model has one already."""
+        self.statistics = statistics
+        # The statistics go out from the last bucket's hook (the same collective order on every
+        # rank), never from a tensor hook during backward.
+        statistics.configure(bucketed=self.bucketed)
+        # One group: a bucket's squared norm is that of its flat buffer (one read), before its
+        # allreduce and after it (``_bucket_norms``).
+        self.one_group = len(statistics.groups) == 1
+        kind = "norms" if self.measure and not self.bucketed else \
+            "count" if self.accumulates else None
+        statistics.hook_parameters(kind, few=self.bucketed)
+        try:
+            self.ddp.register_comm_hook(self.hook_state, statistics_hook)
+        except RuntimeError as e:
+            statistics.close()  # a refused optimizer leaves no tensor hook behind
+            raise ValueError("hvd_scale: this DDP model has a communication hook already (DDP "
+                             "takes one): pass it to DistributedOptimizer(..., comm_hook=hook) or "
+                             "comm_hook=(state, hook) instead of registering it, and the "
+                             f"statistics compose with it ({e})") from None
+
+    def close(self) -> None:
+        """DDP cannot unregister a communication hook: ours passes through to the user's."""
+        self.hook_state.closed = True
+
+    # -- DDP's communication hook ------------------------------------------------------------------
+    def comm_hook(self, state: StatisticsHookState, bucket):
+        statistics = self.statistics
+        step = statistics.step
+        if bucket.index() == 0:
+            if getattr(self.ddp, "_join_config", None) is not None and self.ddp._join_config.enable:
+                raise RuntimeError(JOIN_REFUSED)
+            if step.stats_handle is not None or step.synchronized:
+                self._unconsumed()
+            step.mean_norms = []
+        grads, params = bucket.gradients(), bucket.parameters()
+        denominator = self._bucket_denominator(bucket.index(), params, grads)
+        if self.bucketed:
+            step.fired_total += len(grads)
+            statistics.keep_norms(params, self._bucket_norms(bucket.buffer(), params,
+                                                             lambda: grads, denominator))
+        future = state.user_hook(state.user_state, bucket)
+        if self.measure:
+            future = future.then(self._mean_norms_of(bucket.index(), params, grads, denominator))
+        if bucket.is_last():
+            if self.measure:
+                step.stats_handle = statistics.start()
+            elif statistics.hooked:
+                step.stats_handle = statistics.start_count(max(step.fired, default=0))
+            if step.stats_handle is not None:
+                self._synchronize_after_backward()
+        return future
+
+    def _synchronize_after_backward(self) -> None:
+        """Make p.grad the mean at the end of this backward pass (``synchronize``), after DDP's
+        own end-of-backward callback has written the averaged buckets into p.grad. That one is
+        queued after this hook ran (the reducer queues it once the last bucket is marked ready),
+        so ours is queued from a callback: autograd runs the callbacks queued while running
+        them after those queued before, DDP's among them."""
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._synchronize_in_backward))
+
+    def _synchronize_in_backward(self) -> None:
+        if self.statistics.step.stats_handle is not None:
+            self._synchronize("the backward pass")
+
+    def _bucket_denominator(self, index: int, params, grads) -> torch.Tensor | None:
+        """adascale_adam's preconditioner denominator for this bucket's parameters
+        (``StepStatistics.denominator``), made once a step for both of the bucket's norms (the
+        worker's gradient, then the mean's in the callback), in a buffer kept per bucket: Adam's
+        v does not change before ``step()``. None for other policies, or where the one-tensor
+        path serves (the first step)."""
+        if not self.measure or self.scaling.policy.statistics != "preconditioned":
+            return None
+
+        def buffer(elements, dtype, device):
+            have = self.denominators.get(index)
+            if have is None or (have.numel(), have.dtype, have.device) != (elements, dtype, device):
+                have = self.denominators[index] = torch.empty(elements, dtype=dtype, device=device)
+            return have
+        return self.statistics.denominator(params, grads, buffer)
+
+    def _bucket_norms(self, flat: torch.Tensor, params, grads: Callable, denominator) -> torch.Tensor:
+        """The norms a bucket's statistics need, of its flat buffer ``flat`` (the worker's, or
+        the averaged one), a float64 vector: with one parameter group the bucket's one norm
+        (plain, or adascale_adam's gradient divided by the bucket's ``denominator``: one read
+        of the bucket), else one per gradient (``grads()``: ``flat``'s views)."""
+        if denominator is not None and _flat(flat, denominator):
+            quotient = self.statistics.quotient(flat, denominator)
+            return norms([quotient] if self.one_group else
+                         list(quotient.split([g.numel() for g in grads()])))
+        if self.one_group and self.scaling.policy.statistics == "plain":
+            return norms([flat])
+        return self.statistics.grad_norms(params, grads())
+
+    def _mean_norms_of(self, index, params, grads, denominator=None):
+        """The future's callback: |g_bar|^2 of the bucket's averaged gradients (the result laid
+        out as the bucket's gradients) per group (``_bucket_norms``), kept for ``mean_sqnorms``
+        with the bucket's ``index``."""
+        statistics = self.statistics
+        step = statistics.step
+        shapes = [(g.numel(), g.shape) for g in grads]
+        groups = None if self.one_group else torch.tensor(
+            [statistics.group_of.get(p, 0) for p in params], device=statistics.device)
+
+        def reduced(future):
+            out = future.value()
+            if isinstance(out, (list, tuple)):
+                out = out[0]
+
+            def views():
+                found, at = [], 0
+                for numel, shape in shapes:
+                    found.append(out.narrow(0, at, numel).view(shape))
+                    at += numel
+                return found
+            squares = self._bucket_norms(out, params, views, denominator).square()
+            if self.one_group:
+                step.mean_norms.append((index, squares.sum().view(1)))
+            else:
+                sums = torch.zeros(len(statistics.groups), dtype=torch.float64,
+                                   device=squares.device)
+                step.mean_norms.append((index, sums.index_add_(0, groups, squares)))
+            return out
+        return reduced
+
+    def _unconsumed(self) -> None:
+        """A synchronizing pass while the previous one's statistics wait for ``step()``: with a
+        GradScaler that skipped the step (an overflow) that step is counted skipped; otherwise
+        the loop synchronized twice in one step."""
+        if self.grad_scaler is None:
+            statistics = self.statistics
+            step = statistics.step
+            handle, step.stats_handle = step.stats_handle, None
+            self.drop(handle)
+            step.synchronized, step.pending, step.count = False, None, None
+            raise RuntimeError(
+                "hvd_scale: a second synchronizing backward pass before opt.step(): with "
+                f"backward_passes_per_step={statistics.passes}, run the first k - 1 "
+                "passes of a step under model.no_sync(), and call opt.step() after the last "
+                "(it skips a non-finite step itself)")
+        self.statistics.skipped()
+
+    # -- the Horovod protocol -------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """As Horovod's: wait for the step's statistics and make p.grad the mean of the step's
+        micro-gradients (``StepStatistics.to_mean_gradient``). Under DDP this runs by itself at
+        the end of the step's synchronizing backward pass (DDP's allreduce is complete there),
+        so calling it finds nothing left to do; kept so that Horovod's loops
+        (``opt.synchronize()`` before clipping or ``scaler.unscale_(opt)``) run unchanged.
+        p.grad is made the mean once."""
+        self._synchronize("opt.synchronize()")
+
+    def _synchronize(self, caller: str) -> None:
+        statistics = self.statistics
+        step = statistics.step
+        if step.synchronized:
+            return
+        statistics.check_no_parameter_unfrozen()
+        self.scaling.clock.waiting()
+        handle, step.stats_handle = step.stats_handle, None
+        if handle is None and (self.measure or statistics.hooked):
+            raise RuntimeError(f"hvd_scale: {caller} without a synchronizing backward pass: "
+                               "the step's last backward pass must run outside model.no_sync() "
+                               "(DDP averages the gradients there)")
+        statistics.finish(handle, counting=not self.measure and handle is not None)
+        # (k = 1 unmeasured: nothing was sent, p.grad is the mean already, nothing to keep.)
+        step.synchronized = handle is not None
+        self.scaling.clock.waited()
+
+    def skip_synchronize(self):
+        """``step()`` never makes the mean twice, with or without it."""
+        return contextlib.nullcontext()
+
+    # -- the rest of engine.Engine ----------------------------------------------------------------
+    def gather(self) -> None:
+        self.statistics.check_no_parameter_unfrozen()
+        self._synchronize("opt.step()")
+
+    def mean_sqnorms(self, count: torch.Tensor | None) -> torch.Tensor:
+        """|g_bar|^2 per group from the buckets' averaged gradients (taken as each allreduce
+        completed): DDP's average is of each worker's sum of passes, the mean micro-gradient
+        is that times workers / n."""
+        statistics = self.statistics
+        sums = torch.zeros(len(statistics.groups), dtype=torch.float64, device=statistics.device)
+        # In bucket order, not the order the allreduces completed (it differs between ranks: the
+        # float sums did, in the last bits, and so did the ranks' lr factors and weights, #49).
+        for _, squares in sorted(statistics.step.mean_norms, key=lambda entry: entry[0]):
+            sums = sums + squares
+        factor = 1.0 if count is None else self.scaling.hvd.size() / count.clamp(min=1)
+        return sums * factor ** 2
+
+    def inner_step(self, closure):
+        return self.statistics.optimizer.step(closure)
+
+    def in_step(self) -> bool:
+        step = self.statistics.step
+        return step.stats_handle is not None or step.synchronized
+
+    def passes(self) -> None:
+        return None  # DDP does not count the passes: the statistics' hooks do
+
+    def follow_passes(self, passes: int) -> None:
+        if getattr(self.ddp, "static_graph", False) and passes > 1:
+            raise ValueError(STATIC_GRAPH_REFUSED.format(why=f"set_passes({passes})"))
+        self.statistics.follow_passes(passes)
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str):
+        return dist.all_reduce(tensor, group=self.group, async_op=True), tensor
+
+    def wait_sum(self, handle) -> torch.Tensor:
+        work, tensor = handle
+        work.wait()
+        return tensor.double()
+
+    def drop(self, handle) -> None:
+        if handle is not None:
+            handle[0].wait()
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.group)
+        return tensor / dist.get_world_size(self.group)
+
+
 class DistributedOptimizer(TorchOptimizer):
     """Wrap any torch optimizer of a ``DistributedDataParallel`` model: an lr scaling policy
     whose statistics ride DDP's gradient allreduce.
@@ -181,10 +475,6 @@ class DistributedOptimizer(TorchOptimizer):
             (``POWERSGD_REFUSED``: it returns no g_bar to measure); unmeasured it composes.
     """
 
-    # The statistics go out from the last bucket's hook (the same collective order on every
-    # rank), never from a tensor hook during backward.
-    _sends_at_last_gradient = False
-
     def __init__(self, optimizer: torch.optim.Optimizer, model, policy: str | Policy | None = None,
                  backward_passes_per_step: int = 1, *, scale: float | None = None,
                  budget: float | None = None, grad_scaler: Any = None,
@@ -206,279 +496,16 @@ class DistributedOptimizer(TorchOptimizer):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group(...) before building the optimizer")
-        self._ddp = ddp
-        self._group = ddp.process_group
-        self._check_parameters(optimizer, ddp)
-        self.scaling = scaling_for(
+        _check_parameters(optimizer, ddp)
+        self._group = ddp.process_group  # broadcast_state's
+        scaling = scaling_for(
             TorchDistributedBinding(self._group), optimizer, name="torch/ddp", policy=policy,
             passes=backward_passes_per_step, scale=scale, budget=budget, measure=measure,
             log_dir=log_dir, nonfinite=nonfinite, guard=guard, adapt=adapt,
             max_passes=max_passes, adapt_every=adapt_every, samples=samples)
-        self.backward_passes_per_step = backward_passes_per_step
-        self.optimizer_name = type(optimizer).__name__
-        self.engine = "ddp"
-        self._averaged = True  # DDP leaves the mean over workers of each worker's sum
-        self._grad_scaler = grad_scaler
-        self._share_groups(optimizer)
-        self._stats_dtype = torch.float64  # an allreduce of its own: exact counts, no overflow
-        self._denominators: dict[int, torch.Tensor] = {}  # adascale_adam's, per bucket index
-        # The norms are taken in DDP's buckets at the synchronizing pass: each pass's gradient at
-        # k = 1, each worker's sum of its passes with samples="workers" (a count hook on a few
-        # parameters counts them). Per-pass statistics with accumulation (or adapt: k may
-        # change) see each pass's gradient only in a tensor hook, before it is added.
-        self._bucketed = self._measure and (backward_passes_per_step == 1 and adapt is None
-                                            or self.scaling.samples == "workers")
-        # One group: a bucket's squared norm is that of its flat buffer (one read), before its
-        # allreduce and after it (``_bucket_norms``).
-        self._one_group = len(self.param_groups) == 1
-        accumulates = backward_passes_per_step > 1 or adapt is not None
-        kind = "norms" if self._measure and not self._bucketed else \
-            "count" if accumulates else None
-        # (At k = 1: every worker took the one pass DDP synchronized, n = workers.)
-        state, hook = comm_hook if isinstance(comm_hook, tuple) else (self._group, comm_hook)
-        if self._measure and (isinstance(state, PowerSGDState)
-                              or hook in (powerSGD_hook, batched_powerSGD_hook)):
-            raise ValueError(POWERSGD_REFUSED.format(policy=self.scaling.policy.spec))
-        self._hook_parameters(kind, few=self._bucketed)
-        self._user_hook, self._user_state = hook or allreduce_hook, state
-        try:
-            ddp.register_comm_hook(None, _weak_hook(self))
-        except RuntimeError as e:
-            for handle in self._hooks:  # a refused optimizer leaves no tensor hook behind
-                handle.remove()
-            raise ValueError("hvd_scale: this DDP model has a communication hook already (DDP "
-                             "takes one): pass it to DistributedOptimizer(..., comm_hook=hook) or "
-                             "comm_hook=(state, hook) instead of registering it, and the "
-                             f"statistics compose with it ({e})") from None
-
-    @staticmethod
-    def _check_parameters(optimizer, ddp) -> None:
-        """The optimizer trains exactly the parameters DDP averages: another would train apart
-        on each worker, and one DDP averages but the optimizer does not hold would be counted
-        in the statistics (its bucket's norm) but never applied."""
-        ignored = getattr(ddp, "parameters_to_ignore", set())
-        averaged = {id(p): p for name, p in ddp.module.named_parameters()
-                    if name not in ignored and p.requires_grad}
-        held = {id(p): p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        stray = [tuple(p.shape) for key, p in held.items() if key not in averaged]
-        unheld = [tuple(p.shape) for key, p in averaged.items() if key not in held]
-        if stray or unheld:
-            raise ValueError(
-                "hvd_scale: the optimizer must train exactly the parameters the "
-                "DistributedDataParallel model averages; "
-                + (f"{len(stray)} of the optimizer's are not averaged by it (shapes {stray})"
-                   if stray else f"{len(unheld)} it averages are not in the optimizer (shapes "
-                   f"{unheld}): freeze them (requires_grad=False) before wrapping in DDP, or "
-                   "give them to the optimizer"))
-
-    # -- DDP's communication hook ------------------------------------------------------------------
-    def _comm_hook(self, _, bucket):  # (no annotation: DDP checks it, and ours are strings)
-        step = self._step
-        if bucket.index() == 0:
-            if getattr(self._ddp, "_join_config", None) is not None and self._ddp._join_config.enable:
-                raise RuntimeError(JOIN_REFUSED)
-            if step.stats_handle is not None or step.synchronized:
-                self._unconsumed()
-            step.mean_norms = []
-        grads, params = bucket.gradients(), bucket.parameters()
-        denominator = self._bucket_denominator(bucket.index(), params, grads)
-        if self._bucketed:
-            step.fired_total += len(grads)
-            self._keep_norms(params, self._bucket_norms(bucket.buffer(), params, lambda: grads,
-                                                        denominator))
-        future = self._user_hook(self._user_state, bucket)
-        if self._measure:
-            future = future.then(self._mean_norms_of(bucket.index(), params, grads, denominator))
-        if bucket.is_last():
-            if self._measure:
-                step.stats_handle = self.start_statistics()
-            elif self._hooked:
-                step.stats_handle = self._start_count(max(step.fired, default=0))
-            if step.stats_handle is not None:
-                self._synchronize_after_backward()
-        return future
-
-    def _synchronize_after_backward(self) -> None:
-        """Make p.grad the mean at the end of this backward pass (``synchronize``), after DDP's
-        own end-of-backward callback has written the averaged buckets into p.grad. That one is
-        queued after this hook ran (the reducer queues it once the last bucket is marked ready),
-        so ours is queued from a callback: autograd runs the callbacks queued while running
-        them after those queued before, DDP's among them."""
-        engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(lambda: engine.queue_callback(self._synchronize_in_backward))
-
-    def _synchronize_in_backward(self) -> None:
-        if self._step.stats_handle is not None:
-            self._synchronize("the backward pass")
-
-    def _bucket_denominator(self, index: int, params, grads) -> torch.Tensor | None:
-        """adascale_adam's preconditioner denominator for this bucket's parameters
-        (``_denominator``), made once a step for both of the bucket's norms (the worker's
-        gradient, then the mean's in the callback), in a buffer kept per bucket: Adam's v does
-        not change before ``step()``. None for other policies, or where the one-tensor path
-        serves (the first step)."""
-        if not self._measure or self.scaling.policy.statistics != "preconditioned":
-            return None
-
-        def buffer(elements, dtype, device):
-            have = self._denominators.get(index)
-            if have is None or (have.numel(), have.dtype, have.device) != (elements, dtype, device):
-                have = self._denominators[index] = torch.empty(elements, dtype=dtype, device=device)
-            return have
-        return self._denominator(params, grads, buffer)
-
-    def _bucket_norms(self, flat: torch.Tensor, params, grads: Callable, denominator) -> torch.Tensor:
-        """The norms a bucket's statistics need, of its flat buffer ``flat`` (the worker's, or
-        the averaged one), a float64 vector: with one parameter group the bucket's one norm
-        (plain, or adascale_adam's gradient divided by the bucket's ``denominator``: one read
-        of the bucket), else one per gradient (``grads()``: ``flat``'s views)."""
-        if denominator is not None and _flat(flat, denominator):
-            quotient = self._quotient(flat, denominator)
-            return norms([quotient] if self._one_group else
-                         list(quotient.split([g.numel() for g in grads()])))
-        if self._one_group and self.scaling.policy.statistics == "plain":
-            return norms([flat])
-        return self._grad_norms(params, grads())
-
-    def _mean_norms_of(self, index, params, grads, denominator=None):
-        """The future's callback: |g_bar|^2 of the bucket's averaged gradients (the result laid
-        out as the bucket's gradients) per group (``_bucket_norms``), kept for ``mean_sqnorms``
-        with the bucket's ``index``."""
-        step = self._step
-        shapes = [(g.numel(), g.shape) for g in grads]
-        groups = None if self._one_group else torch.tensor(
-            [self._group_of.get(p, 0) for p in params], device=self._device)
-
-        def reduced(future):
-            out = future.value()
-            if isinstance(out, (list, tuple)):
-                out = out[0]
-
-            def views():
-                found, at = [], 0
-                for numel, shape in shapes:
-                    found.append(out.narrow(0, at, numel).view(shape))
-                    at += numel
-                return found
-            squares = self._bucket_norms(out, params, views, denominator).square()
-            if self._one_group:
-                step.mean_norms.append((index, squares.sum().view(1)))
-            else:
-                sums = torch.zeros(len(self.param_groups), dtype=torch.float64, device=squares.device)
-                step.mean_norms.append((index, sums.index_add_(0, groups, squares)))
-            return out
-        return reduced
-
-    def _unconsumed(self) -> None:
-        """A synchronizing pass while the previous one's statistics wait for ``step()``: with a
-        GradScaler that skipped the step (an overflow) that step is counted skipped; otherwise
-        the loop synchronized twice in one step."""
-        step = self._step
-        handle, step.stats_handle = step.stats_handle, None
-        self._drop(handle)
-        step.synchronized, step.pending, step.count = False, None, None
-        if self._grad_scaler is None:
-            raise RuntimeError(
-                "hvd_scale: a second synchronizing backward pass before opt.step(): with "
-                f"backward_passes_per_step={self.backward_passes_per_step}, run the first k - 1 "
-                "passes of a step under model.no_sync(), and call opt.step() after the last "
-                "(it skips a non-finite step itself)")
-        self.scaling.skip()
-
-    def _skipped_by_scaler(self) -> None:
-        """A step the GradScaler skipped: its statistics (finished at its backward pass, or
-        still in flight) dropped, counted skipped."""
-        step = self._step
-        handle, step.stats_handle = step.stats_handle, None
-        self._drop(handle)
-        step.synchronized, step.pending, step.count = False, None, None
-        self.scaling.skip()
-
-    # -- the Horovod protocol -------------------------------------------------------------------
-    def synchronize(self) -> None:
-        """As Horovod's: wait for the step's statistics and make p.grad the mean of the step's
-        micro-gradients (``_to_mean_gradient``). Under DDP this runs by itself at the end of the
-        step's synchronizing backward pass (DDP's allreduce is complete there), so calling it
-        finds nothing left to do; kept so that Horovod's loops (``opt.synchronize()`` before
-        clipping or ``scaler.unscale_(opt)``) run unchanged. p.grad is made the mean once."""
-        self._synchronize("opt.synchronize()")
-
-    def _synchronize(self, caller: str) -> None:
-        step = self._step
-        if step.synchronized:
-            return
-        self._check_no_parameter_unfrozen()
-        self.scaling.clock.waiting()
-        handle, step.stats_handle = step.stats_handle, None
-        if handle is None and (self._measure or self._hooked):
-            raise RuntimeError(f"hvd_scale: {caller} without a synchronizing backward pass: "
-                               "the step's last backward pass must run outside model.no_sync() "
-                               "(DDP averages the gradients there)")
-        self._finish_statistics(handle, counting=not self._measure and handle is not None)
-        # (k = 1 unmeasured: nothing was sent, p.grad is the mean already, nothing to keep.)
-        step.synchronized = handle is not None
-        self.scaling.clock.waited()
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """``opt.synchronize(); ...; with opt.skip_synchronize(): opt.step()``, as Horovod's
-        loops write it: ``step()`` never makes the mean twice, with or without it."""
-        yield
-
-    # -- what TorchOptimizer asks of an engine -------------------------------------------------------
-    def _gather(self):
-        self._check_no_parameter_unfrozen()
-        step = self._step
-        self._synchronize("opt.step()")
-        step.synchronized = False
-        return step
-
-    def mean_sqnorms(self, count: torch.Tensor | None = None) -> torch.Tensor:
-        """|g_bar|^2 per group from the buckets' averaged gradients (taken as each allreduce
-        completed): DDP's average is of each worker's sum of passes, the mean micro-gradient
-        is that times workers / n."""
-        sums = torch.zeros(len(self.param_groups), dtype=torch.float64, device=self._device)
-        # In bucket order, not the order the allreduces completed (it differs between ranks: the
-        # float sums did, in the last bits, and so did the ranks' lr factors and weights, #49).
-        for _, squares in sorted(self._step.mean_norms, key=lambda entry: entry[0]):
-            sums = sums + squares
-        factor = 1.0 if count is None else self.scaling.hvd.size() / count.clamp(min=1)
-        return sums * factor ** 2
-
-    def _inner_step(self, closure):
-        return self._inner.step(closure)
-
-    def _in_step(self) -> bool:
-        return self._step.stats_handle is not None or self._step.synchronized
-
-    def set_passes(self, passes: int) -> None:
-        if getattr(self._ddp, "static_graph", False) and check_passes(passes) > 1:
-            raise ValueError(STATIC_GRAPH_REFUSED.format(why=f"set_passes({passes})"))
-        super().set_passes(passes)
-
-    def _counted_by_engine(self) -> bool:
-        return False
-
-    def _follow_passes(self) -> None:
-        k = self.scaling.passes
-        self.backward_passes_per_step = k
-        self._all_gradients = self._trained * k
-
-    def _allreduce_async(self, tensor: torch.Tensor, name: str):
-        return dist.all_reduce(tensor, group=self._group, async_op=True), tensor
-
-    def _wait_sum(self, handle) -> torch.Tensor:
-        work, tensor = handle
-        work.wait()
-        return tensor.double()
-
-    def _drop(self, handle) -> None:
-        if handle is not None:
-            handle[0].wait()
-
-    def _average(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, group=self._group)
-        return tensor / dist.get_world_size(self._group)
+        engine = DDPEngine(ddp, scaling, backward_passes_per_step, adapt, comm_hook, grad_scaler)
+        super().__init__(optimizer, engine, scaling, passes=backward_passes_per_step,
+                         grad_scaler=grad_scaler)
 
 
 def broadcast_state(model, optimizer: DistributedOptimizer, root_rank: int = 0) -> None:

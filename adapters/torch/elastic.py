@@ -14,7 +14,7 @@ def _elastic_handler():
     at the next step (``hvd_scale.run.host_step``: ``relayout``), also after a reset that skips
     the sync (workers only removed), and so does what the statistics read (each worker's sum
     from two workers on, every pass at one: decided at each step's first gradient,
-    ``Statistics._per_pass``)."""
+    ``StepStatistics.per_pass``)."""
     from horovod.torch.elastic import state as elastic_state
 
     class ScaledOptimizerStateHandler(elastic_state.OptimizerStateHandler):

@@ -141,14 +141,19 @@ class Engine(Protocol):
         record is the optimizer's (``Scaling.set_passes``), changed only after this accepted."""
 
     def mean_sqnorms(self, count: torch.Tensor | None) -> torch.Tensor:
-        """|g_bar|^2 per parameter group, float64, on the statistics' device, after ``gather``.
-        ``count``: n over workers (a device tensor) where p.grad does not hold the mean micro-
-        gradient yet (the engine scales by (W / n)^2), None where it does. Replicated: the
-        whole |g_bar|^2 (``statistics.mean_sqnorms`` reads p.grad; DDP's buckets). Sharded:
-        called by ``statistics.start()`` with ``count=None``, before n is known: this rank's
-        share of the squared norms of the reduced gradient as p.grad holds it then (the mean
-        over workers of each worker's sum, or their sum), which the statistics' allreduce sums
-        over ranks and the statistics scale to the mean micro-gradient's by (W / n)^2 (or
+        """|g_bar|^2 per parameter group, float64, on the statistics' device.
+
+        Replicated (``sharded`` False): called by ``statistics.finish`` after the statistics'
+        allreduce, once p.grad holds the mean micro-gradient; ``count`` is n over workers (a
+        device tensor) for an engine that measured the reduced gradient before it became that
+        mean (DDP's buckets, in the allreduce's callbacks: scaled by (W / n)^2); an engine that
+        reads p.grad now returns ``statistics.mean_sqnorms()`` (Horovod). The whole |g_bar|^2,
+        on every rank; it never crosses the wire.
+
+        Sharded: called by ``statistics.start()`` with ``count=None``, before n is known: this
+        rank's share of the squared norms of the reduced gradient as p.grad holds it then (the
+        mean over workers of each worker's sum, or their sum), which the statistics' allreduce
+        sums over ranks and the statistics scale to the mean micro-gradient's by (W / n)^2 (or
         1 / n^2 where not ``averaged``)."""
 
     def close(self) -> None:

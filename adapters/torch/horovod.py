@@ -1,5 +1,5 @@
-"""Horovod's engine for the torch optimizer (``optimizer.py``: the protocol's hooks, shared with
-``ddp.py``): ``hvd.DistributedOptimizer`` wrapped, its hooks and buckets.
+"""Horovod's engine for the torch optimizer (``engine.Engine``; the optimizer, built from it, in
+``optimizer.py``): ``hvd.DistributedOptimizer`` wrapped, its hooks and buckets.
 
 * Horovod's own hook hands each gradient over after the step's last pass and it is sent with
   its bucket right after one fused norm kernel over the bucket (no hook of ours per tensor): at
@@ -26,6 +26,7 @@ from hvd_scale.guard import SharpnessGuard
 from hvd_scale.policies import Policy
 
 from .optimizer import TorchOptimizer, scaling_for
+from .statistics import StepStatistics
 from .process_set import ProcessSetBinding
 
 SHARPNESS_NAME = "hvd_scale.sharpness"
@@ -49,6 +50,250 @@ def _check_op(op) -> None:
                "gradient to measure") if op == hvd.Adasum else "it does not average gradients"
         raise ValueError(f"op={'hvd.Adasum' if op == hvd.Adasum else repr(op)} is not supported: "
                          f"{why}; use op=hvd.Average (or hvd.Sum)")
+
+
+class HorovodEngine:
+    """``engine.Engine`` over ``hvd.DistributedOptimizer``: its gradient hooks send each gradient
+    (in buckets after their norms, where the norms are read there), the statistics join its
+    allreduce (same op, factors and dtype: Horovod fuses them), its accumulation counters count
+    the passes."""
+
+    name = "horovod"
+    sharded = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters, scaling, passes: int,
+                 adapt: str | None, horovod_options: dict):
+        self.scaling = scaling
+        op = horovod_options.get("op", hvd.Average)
+        # S, n, the agreement and the statistics live within the process set, as the gradients do.
+        self.process_set = horovod_options.get("process_set", hvd.global_process_set)
+        self.op = op
+        self.averaged = op == hvd.Average  # else op=hvd.Sum: the sum over workers
+        # Horovod's factors for the gradients (hvd.DistributedOptimizer's): the statistics match.
+        predivide = horovod_options.get("gradient_predivide_factor", 1.0)
+        self.factors = (1.0 / predivide, predivide) if op == hvd.Average else (1.0, 1.0)
+        self.hvd_opt = hvd.DistributedOptimizer(
+            optimizer, named_parameters=named_parameters, backward_passes_per_step=passes,
+            **horovod_options)
+        float64 = any(p.dtype == torch.float64 for g in optimizer.param_groups for p in g["params"])
+        self.stats_dtype = torch.float64 if float64 else torch.float32  # fused with the gradients
+        self.passes_now = passes
+        measure = scaling.measure
+        # When Horovod's own hook sends p.grad (after the step's last pass) the norms are taken
+        # right there, a bucket at a time (one fused kernel per bucket, and no hook of ours per
+        # tensor): each pass's gradient at k = 1; each worker's sum of its k passes with
+        # samples="workers" (Horovod's counters count the passes). Per-pass statistics with
+        # accumulation (or Horovod's groups=) see each pass's gradient only in a tensor hook,
+        # before it is added into p.grad. Horovod hooks the parameters only where it allreduces
+        # (not in a one-process job that is not elastic): there the tensor hooks count the pass.
+        # (adapt: k may change, so per-pass statistics take the tensor hooks for every k.)
+        # (Under elastic per worker wherever it was not refused: the world size may grow.)
+        per_worker = scaling.setup.samples != "passes" if environment.elastic() else \
+            scaling.reads() == "workers"
+        self.bucketed = (measure and (passes == 1 and adapt is None or per_worker)
+                         and horovod_options.get("groups") is None
+                         and bool(self.hvd_opt._requires_update))
+        # Horovod elastic: W changes in the process; a step at one worker with k >= 2 reads
+        # every pass (``StepStatistics.per_pass``), by a norm hook on every parameter.
+        self.switching = self.bucketed and environment.elastic()
+        self.adapts = adapt is not None
+        self.sending_rest = False  # Horovod's synchronize() sends what backward did not produce
+        # One process that is not elastic: Horovod allreduces no gradient, and the statistics
+        # are their own sum (through Horovod they would wait a cycle of its thread every step).
+        self.alone = hvd.size() == 1 and not self.hvd_opt._requires_update
+        self.send = self.hvd_opt._allreduce_grad_async  # Horovod's own, put back by close()
+        self.skip_sync = False
+        self.statistics: StepStatistics | None = None
+
+    def attach(self, statistics: StepStatistics) -> None:
+        """Horovod's hook made to send in buckets after their norms (or to count, unmeasured),
+        and the statistics' tensor hooks where the passes are read there."""
+        self.statistics = statistics
+        statistics.configure(bucketed=self.bucketed, switching=self.switching,
+                             # the statistics go out from the tensor hook of the step's last
+                             # gradient, before Horovod's hook enqueues that gradient
+                             send_at_last_gradient=True)
+        kind = None
+        if self.bucketed:
+            self.hvd_opt._allreduce_grad_async = self._send_in_buckets  # Horovod's hook calls it
+            if statistics.passes > 1 or self.adapts:
+                # a count on a few parameters (each pass's start, for the step clock); under
+                # elastic a norm hook on every one, which also counts
+                kind = "norms" if self.switching else "count"
+        elif statistics.measure:
+            kind = "norms"
+        elif self.hvd_opt._requires_update:
+            # Unmeasured, the micro-gradients are still counted (a short step's S and mean): from
+            # Horovod's own counters, the count sent with the step's last gradient.
+            self.hvd_opt._allreduce_grad_async = self._send_counting
+        elif not self.alone or self.adapts or statistics.passes > 1:
+            kind = "count"  # one process, no Horovod hooks: a hook per parameter counts the passes
+        statistics.hook_parameters(kind, few=self.bucketed and not self.switching)
+
+    def close(self) -> None:
+        """Horovod's hook sends its gradients itself again (the tensor hooks: ``StepStatistics``)."""
+        self.hvd_opt._allreduce_grad_async = self.send
+
+    # -- the Horovod protocol -------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``.
+        Afterwards p.grad holds the mean micro-gradient (``StepStatistics.to_mean_gradient``)."""
+        statistics = self.statistics
+        statistics.check_no_parameter_unfrozen()
+        self.scaling.clock.waiting()
+        step = statistics.step
+        if step.pending is not None or step.count is not None:
+            # The previous step's statistics were never used: its step was skipped (AMP overflow).
+            self.scaling.skip()
+            step.pending = step.count = None
+        self._flush_bucket()  # gradients still waiting in a bucket (some got none this step)
+        handle, step.stats_handle = step.stats_handle, None
+        if statistics.measure and handle is None:
+            # Fewer gradients than every parameter x k passes: send the statistics now.
+            if self.bucketed and statistics.passes > 1 and not statistics.per_pass():
+                statistics.take_norms(self._unsent())  # a short step's sums: read once, as here
+            handle = statistics.start()
+        counting = not statistics.measure and bool(statistics.hooked or self.hvd_opt._requires_update)
+        if counting and handle is None:  # a short step, or one process: the count now
+            handle = statistics.start_count(max(step.fired, default=0) if statistics.hooked
+                                            else self.passes())
+        self.sending_rest = True
+        try:
+            self.hvd_opt.synchronize()
+        finally:
+            self.sending_rest = False
+        statistics.finish(handle, counting)
+        step.synchronized = True
+        self.scaling.clock.waited()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        self.skip_sync = True
+        try:
+            yield
+        finally:
+            self.skip_sync = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.
+        if self.hvd_opt._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize()")
+        torch.optim.Optimizer.zero_grad(self.hvd_opt, set_to_none=set_to_none)
+
+    # -- the rest of engine.Engine ----------------------------------------------------------------
+    def gather(self) -> None:
+        if not (self.statistics.step.synchronized or self.skip_sync):
+            self.synchronize()
+
+    def inner_step(self, closure):
+        with self.hvd_opt.skip_synchronize():
+            return self.hvd_opt.step(closure)
+
+    def in_step(self) -> bool:
+        return bool(self.hvd_opt._handles)
+
+    def passes(self) -> int | None:
+        """The passes this worker took this step, by Horovod's counters (a short step takes
+        fewer than k); None where Horovod hooks no parameter (one process)."""
+        if not self.hvd_opt._requires_update:
+            return None
+        k, delay = self.passes_now, self.hvd_opt._allreduce_delay
+        if k == 1:
+            return 1 if self.statistics.step.sent or self.statistics.grads() else 0
+        return max((k - delay[p] for p in self.hvd_opt._requires_update), default=0)
+
+    def follow_passes(self, passes: int) -> None:
+        """Horovod's accumulation and the statistics' counts follow k."""
+        self.hvd_opt.set_backward_passes_per_step(passes)
+        self.passes_now = passes
+        self.statistics.follow_passes(passes)
+
+    def mean_sqnorms(self, count: torch.Tensor | None) -> torch.Tensor:
+        return self.statistics.mean_sqnorms()  # p.grad holds the mean micro-gradient
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str):
+        """Reduced exactly as the gradients are (their op, pre/postscale factors and dtype):
+        Horovod fuses only tensors that agree on these, so the statistics join the gradients'
+        allreduce instead of being a collective of their own. One process: the tensor is its
+        own sum (Horovod's factors multiply to 1)."""
+        if self.alone:
+            return tensor
+        return hvd.allreduce_async_(tensor, op=self.op, name=name,
+                                    prescale_factor=self.factors[0],
+                                    postscale_factor=self.factors[1],
+                                    process_set=self.process_set)
+
+    def wait_sum(self, handle) -> torch.Tensor:
+        """The sum over workers, float64 (op=Average: the result times the world size)."""
+        reduced = (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).double()
+        if self.averaged:
+            reduced.mul_(self.scaling.hvd.size())
+        return reduced
+
+    def drop(self, handle) -> None:
+        if handle is not None and not torch.is_tensor(handle):  # in flight: finish, then drop
+            hvd.synchronize(handle)
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        return hvd.allreduce(tensor, op=hvd.Average, name=SHARPNESS_NAME,
+                             process_set=self.process_set)
+
+    # -- Horovod's hook: counting, and the norms in its buckets ----------------------------------
+    def _unsent(self) -> list[torch.Tensor]:
+        """Gradients Horovod has not sent yet (a short step: fewer than k passes reached them);
+        synchronize() sends them."""
+        handles = self.hvd_opt._handles
+        return [p for _, p in self.statistics.trained_params
+                if p.grad is not None and handles.get(p, (None,))[0] is None]
+
+    def _send_counting(self, p: torch.Tensor):
+        """Unmeasured, with Horovod's hooks: hand p's gradient to Horovod; before the step's
+        last one, the micro-gradient count goes out (so it joins their allreduce)."""
+        statistics = self.statistics
+        step = statistics.step
+        if not self.sending_rest:
+            step.sent += 1
+            if step.sent == statistics.trained and step.stats_handle is None:
+                step.stats_handle = statistics.start_count(self.passes_now)
+        return self.send(p)
+
+    def _send_in_buckets(self, p: torch.Tensor):
+        """Horovod's hook hands over each gradient of the step (k = 1) to be sent; it goes out
+        with its bucket, after the bucket's norms. Returns what Horovod's hook records for p."""
+        statistics = self.statistics
+        if self.sending_rest or statistics.per_pass():
+            # No gradient this step (Horovod sends zeros, nothing to measure), or the norm
+            # hooks read every pass of this step.
+            return self.send(p)
+        step = statistics.step
+        step.bucket.append(p)
+        step.bucket_elements += p.grad.numel()
+        step.fired_total += 1
+        if (step.fired_total == statistics.all_gradients or len(step.bucket) >= BUCKET_TENSORS
+                or step.bucket_elements >= BUCKET_ELEMENTS):
+            return self._flush_bucket(current=p)
+        return None, None  # a placeholder until its bucket is sent (below)
+
+    def _flush_bucket(self, current: torch.Tensor | None = None):
+        """Take the bucket's norms, then send its gradients (the statistics first when this is
+        the step's last gradient). Returns ``current``'s (handle, ctx) for Horovod's hook."""
+        statistics = self.statistics
+        step = statistics.step
+        bucket, step.bucket, step.bucket_elements = step.bucket, [], 0
+        if not bucket:
+            return None, None
+        statistics.take_norms(bucket)
+        if step.fired_total == statistics.all_gradients and step.stats_handle is None:
+            step.stats_handle = statistics.start()
+        handles, result = self.hvd_opt._handles, (None, None)
+        for p in bucket:
+            sent = self.send(p)
+            if p is current:
+                result = sent
+            else:
+                handles[p] = sent
+        return result
 
 
 class DistributedOptimizer(TorchOptimizer):
@@ -98,10 +343,6 @@ class DistributedOptimizer(TorchOptimizer):
             op=hvd.Adasum is refused (``_check_op``).
     """
 
-    # With accumulation, the statistics go out from the tensor hook of the step's last gradient,
-    # before Horovod's hook enqueues that gradient (``statistics._make_norm_hook``).
-    _sends_at_last_gradient = True
-
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
                  policy: str | Policy | None = None, backward_passes_per_step: int = 1, *,
                  scale: float | None = None, budget: float | None = None,
@@ -114,230 +355,20 @@ class DistributedOptimizer(TorchOptimizer):
         if isinstance(optimizer, DistributedOptimizer) or hasattr(optimizer, "_allreduce_delay"):
             raise TypeError("optimizer is already distributed: wrap the plain torch optimizer once")
         op = horovod_options.get("op", hvd.Average)
-        process_set = horovod_options.get("process_set", hvd.global_process_set)
-        # S, n, the agreement and the statistics live within the process set, as the gradients do.
-        self._process_set = process_set
-        self.scaling = scaling_for(
-            ProcessSetBinding(process_set), optimizer, name="torch", policy=policy,
-            passes=backward_passes_per_step, scale=scale, budget=budget, measure=measure,
-            log_dir=log_dir, nonfinite=nonfinite, guard=guard, adapt=adapt,
-            max_passes=max_passes, adapt_every=adapt_every, samples=samples,
+        scaling = scaling_for(
+            ProcessSetBinding(horovod_options.get("process_set", hvd.global_process_set)),
+            optimizer, name="torch", policy=policy, passes=backward_passes_per_step, scale=scale,
+            budget=budget, measure=measure, log_dir=log_dir, nonfinite=nonfinite, guard=guard,
+            adapt=adapt, max_passes=max_passes, adapt_every=adapt_every, samples=samples,
             elastic=environment.elastic(), check=lambda _: _check_op(op))
-        self.backward_passes_per_step = backward_passes_per_step
-        self.optimizer_name = type(optimizer).__name__
-        self.engine = "horovod"
-        self._op = op
-        self._averaged = op == hvd.Average  # else op=hvd.Sum: the sum over workers
-        # Horovod's factors for the gradients (hvd.DistributedOptimizer's): the statistics match.
-        predivide = horovod_options.get("gradient_predivide_factor", 1.0)
-        self._factors = (1.0 / predivide, predivide) if op == hvd.Average else (1.0, 1.0)
-        self._grad_scaler = grad_scaler
-
-        self._hvd_opt = hvd.DistributedOptimizer(
-            optimizer, named_parameters=named_parameters,
-            backward_passes_per_step=backward_passes_per_step, **horovod_options)
-        self._share_groups(self._hvd_opt)
-        self._skip_sync = False
-        # When Horovod's own hook sends p.grad (after the step's last pass) the norms are taken
-        # right there, a bucket at a time (one fused kernel per bucket, and no hook of ours per
-        # tensor): each pass's gradient at k = 1; each worker's sum of its k passes with
-        # samples="workers" (Horovod's counters count the passes). Per-pass statistics with
-        # accumulation (or Horovod's groups=) see each pass's gradient only in a tensor hook,
-        # before it is added into p.grad. Horovod hooks the parameters only where it allreduces
-        # (not in a one-process job that is not elastic): there the tensor hooks count the pass.
-        # (adapt: k may change, so per-pass statistics take the tensor hooks for every k.)
-        # (Under elastic per worker wherever it was not refused: the world size may grow.)
-        per_worker = self.scaling.setup.samples != "passes" if environment.elastic() else \
-            self.scaling.reads() == "workers"
-        self._bucketed = (self._measure and (backward_passes_per_step == 1 and adapt is None
-                                             or per_worker)
-                          and horovod_options.get("groups") is None
-                          and bool(self._hvd_opt._requires_update))
-        # Horovod elastic: W changes in the process; a step at one worker with k >= 2 reads
-        # every pass (``Statistics._per_pass``), by a norm hook on every parameter.
-        self._switching = self._bucketed and environment.elastic()
-        self._sending_rest = False  # Horovod's synchronize() sends what backward did not produce
-        # One process that is not elastic: Horovod allreduces no gradient, and the statistics
-        # are their own sum (through Horovod they would wait a cycle of its thread every step).
-        self._alone = hvd.size() == 1 and not self._hvd_opt._requires_update
-        self._send = self._hvd_opt._allreduce_grad_async
-        kind = None
-        if self._bucketed:
-            self._hvd_opt._allreduce_grad_async = self._send_in_buckets  # Horovod's hook calls it
-            self._all_gradients = self._trained  # Horovod's hook sends each once a step
-            if backward_passes_per_step > 1 or adapt is not None:
-                # a count on a few parameters (each pass's start, for the step clock); under
-                # elastic a norm hook on every one, which also counts
-                kind = "norms" if self._switching else "count"
-        elif self._measure:
-            kind = "norms"
-        elif self._hvd_opt._requires_update:
-            # Unmeasured, the micro-gradients are still counted (a short step's S and mean): from
-            # Horovod's own counters, the count sent with the step's last gradient.
-            self._hvd_opt._allreduce_grad_async = self._send_counting
-        elif not self._alone or adapt is not None or backward_passes_per_step > 1:
-            kind = "count"  # one process, no Horovod hooks: a hook per parameter counts the passes
-        self._hook_parameters(kind, few=self._bucketed and not self._switching)
-
-    # -- the Horovod protocol -------------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Finish the gradient allreduce (and the statistics'); as ``hvd.DistributedOptimizer``.
-        Afterwards p.grad holds the mean micro-gradient (see ``_to_mean_gradient``)."""
-        self._check_no_parameter_unfrozen()
-        self.scaling.clock.waiting()
-        step = self._step
-        if step.pending is not None or step.count is not None:
-            # The previous step's statistics were never used: its step was skipped (AMP overflow).
-            self.scaling.skip()
-            step.pending = step.count = None
-        self._flush_bucket()  # gradients still waiting in a bucket (some got none this step)
-        handle, step.stats_handle = step.stats_handle, None
-        if self._measure and handle is None:
-            # Fewer gradients than every parameter x k passes: send the statistics now.
-            if self._bucketed and self.backward_passes_per_step > 1 and not self._per_pass():
-                self._take_norms(self._unsent())  # a short step's sums: read once, as here
-            handle = self.start_statistics()
-        counting = not self._measure and (self._hooked or self._hvd_opt._requires_update)
-        if counting and handle is None:  # a short step, or one process: the count now
-            handle = self._start_count(max(step.fired, default=0) if self._hooked
-                                       else self._engine_passes())
-        self._sending_rest = True
-        try:
-            self._hvd_opt.synchronize()
-        finally:
-            self._sending_rest = False
-        self._finish_statistics(handle, counting)
-        step.synchronized = True
-        self.scaling.clock.waited()
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """``opt.synchronize(); ...; with opt.skip_synchronize(): opt.step()`` (AMP, clipping)."""
-        self._skip_sync = True
-        try:
-            yield
-        finally:
-            self._skip_sync = False
+        self._horovod = HorovodEngine(optimizer, named_parameters, scaling,
+                                      backward_passes_per_step, adapt, horovod_options)
+        self._hvd_opt = self._horovod.hvd_opt  # Horovod's optimizer (its state_dict is saved)
+        super().__init__(self._hvd_opt, self._horovod, scaling, passes=backward_passes_per_step,
+                         grad_scaler=grad_scaler, optimizer_name=type(optimizer).__name__)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # Horovod's zero_grad() takes no argument; its check (no allreduce in flight) comes first.
-        if self._hvd_opt._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize()")
-        torch.optim.Optimizer.zero_grad(self._hvd_opt, set_to_none=set_to_none)
-
-    # -- what TorchOptimizer asks of an engine -------------------------------------------------------
-    def _gather(self):
-        gathered = self._step
-        if not (gathered.synchronized or self._skip_sync):
-            self.synchronize()
-        gathered.synchronized = False
-        return gathered
-
-    def _inner_step(self, closure):
-        with self._hvd_opt.skip_synchronize():
-            return self._hvd_opt.step(closure)
-
-    def _in_step(self) -> bool:
-        return bool(self._hvd_opt._handles)
-
-    def _counted_by_engine(self) -> bool:
-        return bool(self._hvd_opt._requires_update)
-
-    def _follow_passes(self) -> None:
-        """Horovod's accumulation and this optimizer's counts follow the record's k."""
-        k = self.scaling.passes
-        self._hvd_opt.set_backward_passes_per_step(k)
-        self.backward_passes_per_step = k
-        self._all_gradients = self._trained * (1 if self._bucketed else k)
-
-    def _unsent(self) -> list[torch.Tensor]:
-        """Gradients Horovod has not sent yet (a short step: fewer than k passes reached them);
-        synchronize() sends them."""
-        handles = self._hvd_opt._handles
-        return [p for _, p in self._trained_params
-                if p.grad is not None and handles.get(p, (None,))[0] is None]
-
-    def _allreduce_async(self, tensor: torch.Tensor, name: str):
-        """Reduced exactly as the gradients are (their op, pre/postscale factors and dtype):
-        Horovod fuses only tensors that agree on these, so the statistics join the gradients'
-        allreduce instead of being a collective of their own. One process: the tensor is its
-        own sum (Horovod's factors multiply to 1)."""
-        if self._alone:
-            return tensor
-        return hvd.allreduce_async_(tensor, op=self._op, name=name,
-                                    prescale_factor=self._factors[0],
-                                    postscale_factor=self._factors[1],
-                                    process_set=self._process_set)
-
-    def _wait_sum(self, handle) -> torch.Tensor:
-        """The sum over workers, float64 (op=Average: the result times the world size)."""
-        reduced = (handle if torch.is_tensor(handle) else hvd.synchronize(handle)).double()
-        if self._averaged:
-            reduced.mul_(self.scaling.hvd.size())
-        return reduced
-
-    def _drop(self, handle) -> None:
-        if handle is not None and not torch.is_tensor(handle):  # in flight: finish, then drop
-            hvd.synchronize(handle)
-
-    def _average(self, tensor: torch.Tensor) -> torch.Tensor:
-        return hvd.allreduce(tensor, op=hvd.Average, name=SHARPNESS_NAME,
-                             process_set=self._process_set)
-
-    # -- Horovod's hook: counting, and the norms in its buckets ----------------------------------
-    def _send_counting(self, p: torch.Tensor):
-        """Unmeasured, with Horovod's hooks: hand p's gradient to Horovod; before the step's
-        last one, the micro-gradient count goes out (so it joins their allreduce)."""
-        step = self._step
-        if not self._sending_rest:
-            step.sent += 1
-            if step.sent == self._trained and step.stats_handle is None:
-                step.stats_handle = self._start_count(self.backward_passes_per_step)
-        return self._send(p)
-
-    def _engine_passes(self) -> int:
-        """The passes this worker took this step, by Horovod's counters (a short step takes
-        fewer than k)."""
-        k, delay = self.backward_passes_per_step, self._hvd_opt._allreduce_delay
-        if k == 1:
-            return 1 if self._step.sent or any(p.grad is not None for p in self._params()) else 0
-        return max((k - delay[p] for p in self._hvd_opt._requires_update), default=0)
-
-    def _send_in_buckets(self, p: torch.Tensor):
-        """Horovod's hook hands over each gradient of the step (k = 1) to be sent; it goes out
-        with its bucket, after the bucket's norms. Returns what Horovod's hook records for p."""
-        if self._sending_rest or self._per_pass():
-            # No gradient this step (Horovod sends zeros, nothing to measure), or the norm
-            # hooks read every pass of this step.
-            return self._send(p)
-        step = self._step
-        step.bucket.append(p)
-        step.bucket_elements += p.grad.numel()
-        step.fired_total += 1
-        if (step.fired_total == self._all_gradients or len(step.bucket) >= BUCKET_TENSORS
-                or step.bucket_elements >= BUCKET_ELEMENTS):
-            return self._flush_bucket(current=p)
-        return None, None  # a placeholder until its bucket is sent (below)
-
-    def _flush_bucket(self, current: torch.Tensor | None = None):
-        """Take the bucket's norms, then send its gradients (the statistics first when this is
-        the step's last gradient). Returns ``current``'s (handle, ctx) for Horovod's hook."""
-        step = self._step
-        bucket, step.bucket, step.bucket_elements = step.bucket, [], 0
-        if not bucket:
-            return None, None
-        self._take_norms(bucket)
-        if step.fired_total == self._all_gradients and step.stats_handle is None:
-            step.stats_handle = self.start_statistics()
-        handles, result = self._hvd_opt._handles, (None, None)
-        for p in bucket:
-            sent = self._send(p)
-            if p is current:
-                result = sent
-            else:
-                handles[p] = sent
-        return result
+        self._horovod.zero_grad(set_to_none)
 
 
 def broadcast_state(model: torch.nn.Module, optimizer, root_rank: int = 0) -> None:

@@ -1,23 +1,22 @@
 """The torch optimizer: the hooks of ``adapters/protocol.py`` in torch, whichever engine averages
 the gradients (the math is in the engine, the sequence of a step and everything that is not a
-tensor operation in ``adapters/core.py``). An engine plugs in by subclassing ``TorchOptimizer``:
+tensor operation in ``adapters/core.py``). It is built from parts, none of them a parent:
 
-* ``horovod.py``: Horovod's ``hvd.DistributedOptimizer`` (its hooks, its buckets);
-* ``ddp.py``: ``torch.distributed``'s ``DistributedDataParallel`` (a communication hook).
+* the inner torch optimizer (its ``param_groups`` and ``state`` shared outright);
+* an engine (``engine.Engine``: the contract): ``horovod.py``, Horovod's
+  ``hvd.DistributedOptimizer`` (its hooks, its buckets); ``ddp.py``, ``DistributedDataParallel``
+  (a communication hook); ``fsdp.py``, FSDP2;
+* the step's statistics (``statistics.StepStatistics``, their norms in ``norms.py``): the norm
+  of each backward pass's own gradient, the per-group sums and the micro-gradient count in one
+  small allreduce beside the gradients', ``p.grad`` made the mean of the step's micro-gradients
+  and |g_bar|^2 per group; the step's one host transfer brings back its record
+  ([s..., c, w, q...]: ``hvd_scale.reduce.StepRecord``);
+* the shared ``core.Scaling`` (the policy, the run's one record, the log).
 
-Both gather the same statistics (``statistics.py``, their norms in ``norms.py``): the norm of
-each backward pass's own gradient, the per-group sums and the micro-gradient count in one small
-allreduce beside the gradients', ``p.grad`` made the mean of the step's micro-gradients and
-|g_bar|^2 taken from it; the one host transfer of the step brings these numbers back
-([s..., c, w, q...]: ``hvd_scale.reduce``).
-The plan's lr (and Adam's settings) are set on each group for the inner step, then the user's
-values are restored, so torch lr schedulers keep working on the baseline lr (``apply_step``).
-Checkpoints and the run's record: ``checkpoint.py``.
-
-What an engine provides (methods of its subclass): ``_gather()`` (wait for this step's
-gradients and statistics), ``_allreduce_async(tensor, name)`` and ``_wait_sum(handle)`` (the
-statistics' allreduce, summed over workers), ``_average(tensor)``, ``_inner_step(closure)``,
-``_in_step()`` and ``_follow_passes()``.
+Each engine's public ``DistributedOptimizer`` is a ``TorchOptimizer`` whose constructor builds
+its engine. The plan's lr (and Adam's settings) are set on each group for the inner step, then
+the user's values are restored, so torch lr schedulers keep working on the baseline lr
+(``apply_step``). Checkpoints: ``checkpoint.py``.
 
 One gain for the whole model (the paper's choice): the engine sums sigma2 and mu2 over groups.
 """
@@ -36,15 +35,12 @@ from hvd_scale.adapters.core import USER_SETTINGS, Framework, Readout, Request, 
 from hvd_scale.guard import ADAM_OPTIMIZERS
 from hvd_scale.moments import EPS_CORRECTED
 
-from .checkpoint import Checkpoints
+from . import checkpoint
+from .engine import Engine
 from .hessian import hessian_top_eigenvalue
-from .statistics import Statistics, _StepState
+from .statistics import StepStatistics
 
 
-# Where the norms are read once per step (samples="workers") and the engine does not count the
-# passes itself (DDP), a count hook on this many parameters spread over the model counts them: a
-# pass reaches at least one of them unless it leaves all of them without a gradient.
-COUNTED_PARAMETERS = 4
 
 
 def _number(value) -> float:
@@ -85,77 +81,29 @@ def scaling_for(binding, optimizer: torch.optim.Optimizer, *, name: str, policy,
         guard=guard)
 
 
-class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
-    """What every engine's torch optimizer shares: the protocol's hooks, the step, a change of
-    k, the guard's sharpness. A subclass builds ``self.scaling`` and the inner optimizer
-    (``self._inner``, whose ``state_dict`` is saved), then calls ``_share_groups`` and
-    ``_hook_parameters``."""
+class TorchOptimizer(Readout, torch.optim.Optimizer):
+    """What every engine's torch optimizer is: a real torch Optimizer over the inner one's
+    groups (lr schedulers check isinstance and read/write group["lr"]), composed of the inner
+    optimizer, an ``Engine``, a ``StepStatistics`` and a ``core.Scaling`` (``Readout``: the
+    read-only values, over ``scaling`` alone). An engine's ``DistributedOptimizer`` builds the
+    engine and the scaling, then calls this constructor."""
 
-    # -- set-up (called by the engine's constructor) ----------------------------------------------
-    def _share_groups(self, inner: torch.optim.Optimizer) -> None:
-        """Become a real torch Optimizer over ``inner``'s groups (lr schedulers check isinstance
-        and read/write group["lr"]), sharing its groups and state outright."""
-        self._inner = inner
+    def __init__(self, inner: torch.optim.Optimizer, engine: Engine, scaling: Scaling, *,
+                 passes: int, grad_scaler: Any = None, optimizer_name: str | None = None):
+        self.scaling = scaling
+        self._inner = inner  # whose state_dict is saved (Horovod's: the wrapped optimizer)
         torch.optim.Optimizer.__init__(self, inner.param_groups, inner.defaults)
-        self.param_groups = inner.param_groups
-        self.state = inner.state
-        self._measure = self.scaling.measure  # fixed for the optimizer's life (its hooks)
-        self._count_scaler_skips(self._grad_scaler)  # a step the scaler skips: counted there
-        float64 = any(p.dtype == torch.float64 for p in self._params())
-        self._stats_dtype = torch.float64 if float64 else torch.float32  # on the wire
-        # Parameters the engine and the hooks know: a later unfreezing is refused at the next step.
-        self._frozen = [p for p in self._params() if not p.requires_grad]
-        self._hooks = []
-        # (group, parameter) of every trained parameter, in the groups' order: the hooks' order
-        self._trained_params = trained = [(gi, p) for gi, group in enumerate(self.param_groups)
-                                          for p in group["params"] if p.requires_grad]
-        self._trained = len(trained)
-        self._all_gradients = len(trained) * self.backward_passes_per_step  # a full step's
-        self._hooks_paused = False  # the guard's Hessian-vector products are not passes
-        self._group_of = {p: gi for gi, p in trained}
+        self.param_groups, self.state = inner.param_groups, inner.state
+        self.optimizer_name = optimizer_name or type(inner).__name__
+        self.engine = engine.name
+        self._engine = engine
+        self._grad_scaler = grad_scaler
+        self._statistics = StepStatistics(inner, scaling, engine, passes)
+        engine.attach(self._statistics)
+        self._count_scaler_skips(grad_scaler)  # a step the scaler skips: counted there
 
-    def _hook_parameters(self, kind: str | None, few: bool = False) -> None:
-        """A tensor hook on every trained parameter: "norms" (each pass's gradient measured
-        before it is added into p.grad), "count" (the passes counted), or None. ``few``: the
-        count on a handful of parameters spread over the model (``COUNTED_PARAMETERS``), where
-        the norms are read once per step and only the passes are wanted."""
-        trained = self._trained_params
-        if few:
-            trained = trained[::max(1, len(trained) // COUNTED_PARAMETERS)]
-        if kind == "norms":
-            self._hooks = [p.register_hook(self._make_norm_hook(gi, p, index))
-                           for index, (gi, p) in enumerate(trained)]
-        elif kind == "count":
-            self._hooks = [p.register_hook(self._make_count_hook(index))
-                           for index, (_, p) in enumerate(trained)]
-        self._hooked = len(self._hooks)
-        self._step = self._new_step()
-
-    def _new_step(self) -> _StepState:
-        return _StepState(norms=[[] for _ in self.param_groups], fired=[0] * self._hooked)
-
-    def _params(self):
-        return (p for group in self.param_groups for p in group["params"])
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params() if p.grad is not None]
-
-    @property
-    def _device(self) -> torch.device:
-        """Where the statistics are made: the gradients' device."""
-        return next(self._params()).device
-
-    def _check_no_parameter_unfrozen(self) -> None:
-        """A parameter made trainable after the optimizer was built has neither the engine's
-        allreduce nor a norm hook: its workers would drift apart and the statistics miss it."""
-        unfrozen = [p for p in self._frozen if p.requires_grad]
-        if unfrozen:
-            shapes = [tuple(p.shape) for p in unfrozen]
-            raise ValueError(f"hvd_scale: {len(unfrozen)} parameter(s) of shape(s) {shapes} were "
-                             "made trainable after DistributedOptimizer was built; the engine "
-                             "would not average their gradients and the statistics would miss "
-                             "them. Build the optimizer again (DistributedOptimizer(...)) after "
-                             "changing requires_grad, then load its state_dict")
+    backward_passes_per_step = property(lambda self: self._statistics.passes,
+                                        doc="k, the backward passes of the next step")
 
     # -- torch.optim.Optimizer ------------------------------------------------------------------
     @torch.no_grad()
@@ -179,31 +127,84 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
         same step, between steps (adapt="goodput" does). S follows in proportion (the policy's
         factor and tau's advance are the new S's), and so do the engine's accumulation counts."""
         k = check_passes(passes)
-        if k == self.backward_passes_per_step:
+        statistics = self._statistics
+        if k == statistics.passes:
             return
-        if self._step.fired_total or any(self._step.fired) or self._in_step():
+        if statistics.started() or self._engine.in_step():
             raise RuntimeError("set_passes() between backward passes of a step: call it after "
                                "step() and before the next step's first backward pass")
-        if k > 1 and self._bucketed and not self._switching and self.scaling.reads() == "passes":
+        if k > 1 and statistics.bucketed and not statistics.switching \
+                and self.scaling.reads() == "passes":
             raise ValueError(f"set_passes({k}): this optimizer was built for one pass per step "
                              "with its norms taken in the engine's buckets; build it with "
                              "backward_passes_per_step > 1 or adapt='goodput' to change k")
-        self.scaling.set_passes(k)  # the run's record at the new k: refused there, if it cannot
-        if self._switching and not self._hooked:
-            self._hook_parameters("norms")  # per pass where one worker is left (``_per_pass``)
-        if not (self._hooked or self._counted_by_engine()) and (self._bucketed or not self._measure):
-            # Built at k = 1 with nothing counting (unmeasured, or norms read once per worker in
-            # the buckets): from now on a pass is not a step, and the passes are counted.
-            self._hook_parameters("count", few=self._bucketed)
-        self._follow_passes()
+        self.scaling.relaid(k)  # the run's record at the new k: refused there, if it cannot
+        self._engine.follow_passes(k)  # the engine's refusals first, then its counts follow
+        self.scaling.set_passes(k)
+        statistics.follow_new_k(engine_counts=self._engine.passes() is not None)
+
+    def synchronize(self) -> None:
+        """Finish the gradients' reduction (and the statistics'), as Horovod's: afterwards p.grad
+        holds the mean micro-gradient (``StepStatistics.to_mean_gradient``)."""
+        self._engine.synchronize()
+
+    def skip_synchronize(self):
+        """``opt.synchronize(); ...; with opt.skip_synchronize(): opt.step()`` (AMP, clipping)."""
+        return self._engine.skip_synchronize()
+
+    def close(self) -> None:
+        """Put back what this optimizer hooked (the engine's hooks, the tensor hooks), and flush
+        and close the metrics files. Under DDP the communication hook stays registered (DDP
+        cannot unregister one) and passes each bucket to the user's hook (or DDP's allreduce)."""
+        self._engine.close()
+        self._statistics.close()
+        if self.scaling.logger is not None:
+            self.scaling.logger.close()
+
+    # -- checkpoints (``checkpoint.py``) ----------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``{"inner": the wrapped optimizer's state_dict, "hvd_scale": the run's record}``
+        (``hvd_scale.run``: the policy's state, S, k, the workers, ...), and ``"guard"``: the
+        guard's latest estimate, with a guard."""
+        return checkpoint.state_dict(self._inner, self.scaling)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore both parts; everything is validated before anything changes
+        (``checkpoint.validated``): the groups and their parameters' count, each parameter's
+        state tensors against its shape, the run's record (spec, version, groups; the saved k
+        under adapt="goodput", within max_passes; ``hvd_scale.run.restored``).
+
+        Load on every rank, or on rank 0 followed by ``broadcast_state`` on every rank: a rank
+        that did not load keeps its own record (detected at the first step:
+        ``Scaling.agree_on_state``; a later load on some ranks only is not)."""
+        run = checkpoint.validated(state_dict, self._inner, self.scaling)
+        self._inner.load_state_dict(state_dict["inner"])
+        # torch's load_state_dict builds new group dicts and a new state: share them again.
+        self.param_groups, self.state = self._inner.param_groups, self._inner.state
+        guard = self.scaling.guard
+        if guard is not None and state_dict.get("guard") is not None:
+            guard.load_state_dict(state_dict["guard"])
+        self._statistics.reset()  # a statistics allreduce in flight: finish, then drop
+        self.scaling.run = run
+        self._engine.follow_passes(run.passes)  # the saved k, where k adapts
+
+    def sync_run(self, root_rank: int = 0) -> None:
+        """Take ``root_rank``'s run record (``broadcast_state``, an elastic sync), k included."""
+        if self._statistics.started() or self._engine.in_step():
+            raise RuntimeError("broadcast_state() between backward passes of a step: call it "
+                               "before the first backward pass or after step()")
+        self.scaling.broadcast(root_rank)
+        self._engine.follow_passes(self.scaling.passes)
 
     # -- the hooks of adapters/protocol.py ---------------------------------------------------------
     def reduced_statistics(self, step: _Step):
-        """(step, statistics, finite, count): this step's [s..., c, q...] (a device tensor)
-        after the gradients' allreduce, or None unmeasured, with the averaged gradient's
-        finiteness then (True under a GradScaler, which checks it itself) and the
-        micro-gradients counted. The guard's sharpness is measured here when due."""
-        gathered = self._gather()
+        """(step, statistics, finite, count): this step's [s..., c, w, q...] (a device tensor,
+        ``StepRecord.pack``) after the gradients' reduction, or None unmeasured, with the
+        averaged gradient's finiteness then (True under a GradScaler, which checks it itself)
+        and the micro-gradients counted. The guard's sharpness is measured here when due."""
+        self._engine.gather()
+        gathered = self._statistics.step
+        gathered.synchronized = False
         # Taken: a step that raises drops them.
         statistics, gathered.pending = gathered.pending, None
         count, gathered.count = gathered.count, None
@@ -212,7 +213,7 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
             self._measure_sharpness(step.guard_loss)
         if statistics is not None:
             return step, statistics, True, None
-        return step, None, self._grad_scaler is not None or self._grads_finite(), count
+        return step, None, self._grad_scaler is not None or self._statistics.grads_finite(), count
 
     def user_settings(self) -> list[list[float]]:
         """Each group's ``core.USER_SETTINGS``: torch corrects Adam's bias with each parameter's
@@ -255,7 +256,7 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
                     group.update(betas=(beta1, beta2), eps=eps)
                 if not math.isnan(decay):
                     group["weight_decay"] = decay
-            return self._inner_step(step.closure)
+            return self._engine.inner_step(step.closure)
         finally:
             for group, user in zip(self.param_groups, saved):
                 group.update(user)
@@ -268,30 +269,53 @@ class TorchOptimizer(Readout, Statistics, Checkpoints, torch.optim.Optimizer):
                              f"{step + 1}: call opt.step(guard_loss=fn) with fn() returning this "
                              f"worker's loss on its current batch, got guard_loss={guard_loss!r}")
         group = self.param_groups[0]
-        params = [p for p in self._params() if p.requires_grad]
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if self.optimizer_name in ADAM_OPTIMIZERS:
             # Adam's stability is about P^-1 H, P = diag(sqrt(v_hat) + eps): before its first
             # step there is no v_hat, and the next step measures instead (alike on every rank).
             if not all("exp_avg_sq" in self.state.get(p, {}) for p in params):
                 return
-            scaling = [self._precondition(p, torch.ones_like(p), group, floored=False).sqrt_()
+            scaling = [self._statistics.preconditioned(p, torch.ones_like(p), group, floored=False).sqrt_()
                        for p in params]
             limits = {"beta1": group["betas"][0]}
         else:
             scaling = None
             limits = {"momentum": group.get("momentum", 0.0), "dampening": group.get("dampening", 0.0),
                       "nesterov": bool(group.get("nesterov", False))}
-        self._hooks_paused = True
-        try:
-            with torch.enable_grad():
-                local = hessian_top_eigenvalue(guard_loss, params, iterations=guard.iterations,
-                                               tol=guard.tol, scaling=scaling, seed=step)
-        finally:
-            self._hooks_paused = False
-        mean = self._average(torch.tensor(local, dtype=torch.float64, device=self._device)).item()
+        with self._statistics.hooks_paused(), torch.enable_grad():
+            local = hessian_top_eigenvalue(guard_loss, params, iterations=guard.iterations,
+                                           tol=guard.tol, scaling=scaling, seed=step)
+        mean = self._engine.average(torch.tensor(local, dtype=torch.float64,
+                                                 device=self._statistics.device)).item()
         if math.isfinite(mean):  # else this step's gradients overflow too: it will be skipped,
             guard.update(mean, step, optimizer=self.optimizer_name, **limits)  # and measured again
 
+    def _count_scaler_skips(self, scaler) -> None:
+        """A GradScaler that skips this optimizer's step (an overflow: its ``step`` never calls
+        ours) has that step counted skipped right there, not at the next synchronizing pass (a
+        run ending on a skipped step would never count it): this scaler's ``step`` is wrapped
+        (on the instance; a scaler shared by several optimizers wraps once for each)."""
+        inner = getattr(scaler, "step", None)
+        if not callable(inner):
+            return
+
+        def step(optimizer, *args, **kwargs):
+            record = self.scaling.run.policy
+            result = inner(optimizer, *args, **kwargs)
+            if optimizer is self and self.scaling.run.policy is record:  # ours never ran
+                self._skipped_by_scaler()
+            return result
+        scaler.step = step
+
+    def _skipped_by_scaler(self) -> None:
+        """The step the scaler skipped: its gathered statistics dropped, counted skipped."""
+        if self.engine == "horovod" and not self._statistics.step.synchronized:
+            # Horovod without synchronize() first: the scaler read the gradients before they
+            # were averaged (its idiom synchronizes first); not ours to count. (The engines that
+            # reduce in backward, DDP and FSDP2, sent the statistics there.)
+            return
+        self._statistics.skipped()
+
     def __repr__(self) -> str:
         return f"hvd_scale.DistributedOptimizer({self.optimizer_name}, {self.engine}, " \
-               f"policy={self.policy.spec!r})"
+               f"policy={self.scaling.policy.spec!r})"

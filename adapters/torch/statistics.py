@@ -1,24 +1,27 @@
-"""Where the torch optimizer gathers a step's statistics, whichever engine averages the
-gradients: the norm of each backward pass's own gradient (in the engine's buckets at k = 1, by a
-tensor hook per parameter with accumulation), the micro-gradient count (also unmeasured: a
-short step's S and mean), their one allreduce beside the gradients' (``_allreduce_async``, the
-engine's), and the mean micro-gradient in p.grad. A mixin of ``optimizer.TorchOptimizer``,
-whose record of the step in progress is ``_StepState``.
+"""A step's statistics in torch, whichever engine reduces the gradients (``engine.Engine``):
+the norm of each backward pass's own gradient (in the engine's buckets at k = 1, by a tensor
+hook per parameter with accumulation), the micro-gradient count (also unmeasured: a short
+step's S and mean), their one allreduce beside the gradients' (the engine's
+``allreduce_async``), and the mean micro-gradient in p.grad. ``StepStatistics`` is a part of the
+optimizer (``optimizer.py``), not a parent: its state is the step in progress (``StepState``),
+what it returns the step's ``hvd_scale.reduce.StepRecord``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
 from hvd_scale.adapters.core import precondition
-from hvd_scale.reduce import wire_copies, wire_sums
+from hvd_scale.reduce import StepRecord
 
 from .norms import _IS_SPARSE, _vector, all_finite, cpu_norm, norms
 
@@ -73,9 +76,10 @@ def _chunks(tensors: list[torch.Tensor], elements: int) -> list[tuple[int, int]]
 
 
 @dataclasses.dataclass
-class _StepState:
+class StepState:
     """What one optimizer step gathers between its first backward pass and ``step()``, in one
-    record: made in one place (``DistributedOptimizer._new_step``), at construction and on load."""
+    record: made in one place (``StepStatistics.new_step``), at construction, a change of hooks
+    and a load."""
 
     norms: list[list]  # per group: this step's gradients' norms so far (vectors, or CPU floats)
     fired: list[int]  # per hooked parameter: its gradients this step
@@ -89,7 +93,7 @@ class _StepState:
     count: int | None = None  # unmeasured: the step's micro-gradients, after synchronize
     synchronized: bool = False  # synchronize() ran for this step
     sent: int = 0  # unmeasured, with Horovod's hooks: gradients handed to Horovod this step
-    # this step reads every pass (``Statistics._per_pass``); None: undecided (until the step's
+    # this step reads every pass (``StepStatistics.per_pass``); None: undecided (until the step's
     # first gradient; its gradients may still be sent after the statistics went out)
     per_pass: bool | None = None
 
@@ -101,28 +105,172 @@ class _StepState:
         self.fired_total = self.passes_started = self.sent = 0
 
 
-class Statistics:
-    """The statistics' half of ``TorchOptimizer`` (its attributes: ``_step``, ``param_groups``,
-    ``scaling``, ``_averaged``, ...; the engine's ``_allreduce_async`` and ``_wait_sum``)."""
 
-    # The engine's norms are read in its buckets (each worker's sum once) and, where W changes
-    # in the process (Horovod elastic), every parameter carries a norm hook too: a step at one
-    # worker with k >= 2 reads every pass there instead (``_per_pass``), as the layout asks.
-    _switching = False
+# (group, parameter) hooks: where the statistics' norms are read once per step (samples="workers")
+# and the engine does not count the passes itself (DDP), a count hook on this many parameters
+# spread over the model counts them: a pass reaches at least one of them unless it leaves all of
+# them without a gradient.
+COUNTED_PARAMETERS = 4
 
-    def _per_pass(self) -> bool:
+
+class StepStatistics:
+    """A step's statistics, whichever engine reduces the gradients: explicit state (``step``,
+    a ``StepState``), the tensor hooks it installs, and the step's ``StepRecord`` out.
+
+    Parts it is given (none inherited): ``optimizer``, the inner torch optimizer (its groups and
+    state, read live: a load replaces them); ``scaling``, the shared ``core.Scaling`` (policy,
+    clock, world size); ``engine``, the ``engine.Engine`` whose collectives carry the vector.
+    The engine calls, from its hooks: ``keep_norms``/``take_norms`` (a bucket's norms), ``start``
+    (the statistics' allreduce), ``start_count`` (unmeasured: the count), ``finish`` (after the
+    gradients' reduction), ``per_pass``; it configures the reads in ``attach`` (``configure``,
+    ``hook_parameters``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaling, engine, passes: int):
+        self.optimizer, self.scaling = optimizer, scaling
+        # The engine holds this object (its hooks feed it): a weak reference back, so that no
+        # cycle keeps the engine (and a DDP model with its process group) alive after the script
+        # drops the optimizer, to be freed during the interpreter's exit.
+        self.engine = weakref.proxy(engine)
+        self.measure = scaling.measure  # fixed for the optimizer's life (its hooks)
+        self.passes = passes  # k, as the engine and the hooks follow it
+        # How the engine reads the norms (``configure``): in its buckets, each worker's sum once
+        # (``bucketed``); W may change in the process (``switching``, Horovod elastic: a step at
+        # one worker with k >= 2 reads every pass instead, by the norm hooks); the statistics go
+        # out from the tensor hook of the step's last gradient (``send_at_last_gradient``).
+        self.bucketed = self.switching = self.send_at_last_gradient = False
+        # Parameters the engine and the hooks know: a later unfreezing is refused at the next step.
+        self.frozen = [p for p in self.params() if not p.requires_grad]
+        # (group, parameter) of every trained parameter, in the groups' order: the hooks' order
+        self.trained_params = [(gi, p) for gi, group in enumerate(self.groups)
+                               for p in group["params"] if p.requires_grad]
+        self.trained = len(self.trained_params)
+        self.group_of = {p: gi for gi, p in self.trained_params}
+        self.all_gradients = self.trained * passes  # a full step's
+        self.paused = False  # the guard's Hessian-vector products are not passes
+        self.hooks: list = []
+        self.step = self.new_step()
+
+    groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+
+    def params(self):
+        return (p for group in self.groups for p in group["params"])
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params() if p.grad is not None]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the statistics are made: the gradients' device."""
+        return next(self.params()).device
+
+    # -- set-up (the engine's ``attach``) ---------------------------------------------------------
+    def configure(self, *, bucketed: bool, switching: bool = False,
+                  send_at_last_gradient: bool = False) -> None:
+        self.bucketed, self.switching = bucketed, switching
+        self.send_at_last_gradient = send_at_last_gradient
+        self.follow_passes(self.passes)
+
+    def hook_parameters(self, kind: str | None, few: bool = False) -> None:
+        """A tensor hook on every trained parameter: "norms" (each pass's gradient measured
+        before it is added into p.grad), "count" (the passes counted), or None. ``few``: the
+        count on a handful of parameters spread over the model (``COUNTED_PARAMETERS``), where
+        the norms are read once per step and only the passes are wanted."""
+        trained = self.trained_params
+        if few:
+            trained = trained[::max(1, len(trained) // COUNTED_PARAMETERS)]
+        self.close()
+        if kind == "norms":
+            self.hooks = [p.register_hook(self._norm_hook(gi, p, index))
+                          for index, (gi, p) in enumerate(trained)]
+        elif kind == "count":
+            self.hooks = [p.register_hook(self._count_hook(index))
+                          for index, (_, p) in enumerate(trained)]
+        self.step = self.new_step()
+
+    @property
+    def hooked(self) -> int:
+        return len(self.hooks)
+
+    def close(self) -> None:
+        """Remove the tensor hooks (``opt.close()``)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+    def new_step(self) -> StepState:
+        return StepState(norms=[[] for _ in self.groups], fired=[0] * self.hooked)
+
+    def follow_passes(self, passes: int) -> None:
+        """k from the next step on: a full step's gradients (each sent once where the engine
+        reads its buckets)."""
+        self.passes = passes
+        self.all_gradients = self.trained * (1 if self.bucketed else passes)
+
+    def follow_new_k(self, engine_counts: bool) -> None:
+        """After ``set_passes`` changed k: hooks where none were built. Under elastic, per pass
+        where one worker is left (``per_pass``); built at k = 1 with nothing counting
+        (unmeasured, or norms read once per worker in the buckets): from now on a pass is not a
+        step, and the passes are counted."""
+        if self.switching and not self.hooked:
+            self.hook_parameters("norms")
+        if not (self.hooked or engine_counts) and (self.bucketed or not self.measure):
+            self.hook_parameters("count", few=self.bucketed)
+
+    def started(self) -> bool:
+        """Whether this step has begun (a gradient seen): k and the record must not change."""
+        return bool(self.step.fired_total or any(self.step.fired))
+
+    def reset(self) -> None:
+        """A load: a statistics allreduce in flight finished and dropped, a fresh step."""
+        self.engine.drop(self.step.stats_handle)
+        self.step = self.new_step()
+
+    def skipped(self) -> None:
+        """A step never applied (a GradScaler skipped it): its statistics, finished or still in
+        flight, dropped; the step counted skipped."""
+        step = self.step
+        handle, step.stats_handle = step.stats_handle, None
+        self.engine.drop(handle)
+        step.synchronized, step.pending, step.count = False, None, None
+        self.scaling.skip()
+
+    def check_no_parameter_unfrozen(self) -> None:
+        """A parameter made trainable after the optimizer was built has neither the engine's
+        allreduce nor a norm hook: its workers would drift apart and the statistics miss it."""
+        unfrozen = [p for p in self.frozen if p.requires_grad]
+        if unfrozen:
+            shapes = [tuple(p.shape) for p in unfrozen]
+            raise ValueError(f"hvd_scale: {len(unfrozen)} parameter(s) of shape(s) {shapes} were "
+                             "made trainable after DistributedOptimizer was built; the engine "
+                             "would not average their gradients and the statistics would miss "
+                             "them. Build the optimizer again (DistributedOptimizer(...)) after "
+                             "changing requires_grad, then load its state_dict")
+
+    @contextlib.contextmanager
+    def hooks_paused(self):
+        """The guard's Hessian-vector products: backward passes that are not the step's."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+    # -- what a step reads ------------------------------------------------------------------------
+    def per_pass(self) -> bool:
         """Whether this step reads every pass's gradient (the norm hooks) rather than each
         worker's sum once (the engine's buckets): decided at the step's first gradient from the
         world size and k then (``Scaling.reads``), and kept for the step. Without norm hooks
         that can switch, what the hooks were built for (per pass unless bucketed)."""
-        step = self._step
+        step = self.step
         if step.per_pass is None:
-            if self._switching:
-                k = self.backward_passes_per_step
+            if self.switching:
+                k = self.passes
                 step.per_pass = k > 1 and self.scaling.reads() == "passes"
-                self._all_gradients = self._trained * (k if step.per_pass else 1)
+                self.all_gradients = self.trained * (k if step.per_pass else 1)
             else:
-                step.per_pass = not self._bucketed
+                step.per_pass = not self.bucketed
         return step.per_pass
 
     # A backward pass is counted by the parameters' own gradients, not by autograd's end-of-
@@ -130,55 +278,50 @@ class Statistics:
     # nested backward of the first segment, and would end the pass too early. Each hooked
     # parameter gets one gradient per pass that reaches it, so this worker's passes are the
     # largest count (parameters without a gradient in some pass count less).
-    def _make_count_hook(self, index: int):
+    def _count_hook(self, index: int):
         """Count this parameter's gradients (the passes of a step, each one's start stamped on
         the step clock): unmeasured, or with the norms read once per worker."""
         def hook(grad: torch.Tensor) -> None:
-            if not self._hooks_paused:
+            if not self.paused:
                 self._count_gradient(index)
         return hook
 
     def _count_gradient(self, index: int) -> None:
         """One more gradient of hooked parameter ``index`` this step; the first of a new pass
         is stamped on the step clock."""
-        step = self._step
+        step = self.step
         step.fired[index] += 1
         if step.fired[index] > step.passes_started:
             step.passes_started += 1
             self.scaling.clock.pass_started()
 
-    def _start_count(self, passes: int):
-        """[c] over workers, reduced as the gradients are (``start_statistics``'s wire)."""
-        count = torch.tensor([float(passes)], dtype=self._stats_dtype, device=self._device)
-        return self._allreduce_async(count, STATS_NAME + ".count")
-
-    def _make_norm_hook(self, group_index: int, p: torch.Tensor, index: int):
+    def _norm_hook(self, group_index: int, p: torch.Tensor, index: int):
         precondition = self.scaling.policy.statistics == "preconditioned"
 
         def hook(grad: torch.Tensor) -> None:
-            if self._hooks_paused:
+            if self.paused:
                 return
-            if self._switching and not self._per_pass():  # read once per worker, in the buckets
+            if self.switching and not self.per_pass():  # read once per worker, in the buckets
                 self._count_gradient(index)
                 return
             # The gradient of this backward pass alone (hooks run before accumulation into p.grad).
-            g = self._precondition(p, grad, self.param_groups[group_index]) if precondition else grad
-            step = self._step
+            g = self.preconditioned(p, grad, self.groups[group_index]) if precondition else grad
+            step = self.step
             # On the CPU a float: no tensor op per pass and parameter beyond the norm itself.
             step.norms[group_index].append(cpu_norm(g) if g.device.type == "cpu" and not g.is_sparse
-                                           else self._norm(g))
+                                           else norms([g]))
             self._count_gradient(index)
             step.fired_total += 1
-            if step.fired_total == self._all_gradients and step.stats_handle is None \
-                    and self._sends_at_last_gradient:
+            if step.fired_total == self.all_gradients and step.stats_handle is None \
+                    and self.send_at_last_gradient:
                 # The step's last gradient: this hook runs before Horovod's hook enqueues its
                 # allreduce, so the statistics are in Horovod's queue no later than the last
                 # gradient and never wait a cycle for themselves. (Otherwise, with parameters
                 # that got no gradient or a short step, synchronize() sends them.)
-                step.stats_handle = self.start_statistics()
+                step.stats_handle = self.start()
         return hook
 
-    def _grad_norms(self, params: list[torch.Tensor], grads: list | None = None) -> torch.Tensor:
+    def grad_norms(self, params: list[torch.Tensor], grads: list | None = None) -> torch.Tensor:
         """|p.grad| (or |grads[i]|) of each parameter, a float64 vector (``norms``): one fused
         kernel when the gradients allow it (dense, one dtype); adascale_adam's preconditioned
         gradients a chunk at a time (``_preconditioned_norms``)."""
@@ -189,27 +332,27 @@ class Statistics:
         return norms(grads)
 
     def _preconditioned_norms(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
-        """|P g| of each gradient (``_precondition``), a float64 vector. Dense gradients and
+        """|P g| of each gradient (``preconditioned``), a float64 vector. Dense gradients and
         second moments of one dtype and device (the usual case) are laid end to end in two
-        scratch buffers and preconditioned there (``_denominator``), about ten tensor ops for
+        scratch buffers and preconditioned there (``denominator``), about ten tensor ops for
         the chunk and no large temporary (six ops per tensor, one tensor at a time, cost
         adascale_adam 1.24-1.36x the Transformer's k = 1 step); others one tensor at a time."""
-        denominator = self._denominator(params, grads, lambda *kind: _scratch(*kind)[0])
+        denominator = self.denominator(params, grads, lambda *kind: _scratch(*kind)[0])
         if denominator is None:
-            return torch.cat([self._norm(self._precondition(p, g, self.param_groups[self._group_of[p]]))
+            return torch.cat([norms([self.preconditioned(p, g, self.groups[self.group_of[p]])])
                               for p, g in zip(params, grads)])
         scratch = _scratch(denominator.numel(), denominator.dtype, denominator.device)[1]
         torch.cat([g.reshape(-1) for g in grads], out=scratch).div_(denominator)
         return norms(list(scratch.split(tuple(g.numel() for g in grads))))
 
-    def _denominator(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+    def denominator(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                      buffer) -> torch.Tensor | None:
         """sqrt(max(v_hat, floor)) + eps of ``params`` laid end to end, written into
         ``buffer(elements, dtype, device)``: ``core.precondition``'s denominator, its per-tensor
         floor (1 - beta2) / c2 x mean(v_hat) a segment sum. None where the flat path does not
         apply: no second moment yet (the first step), one holding no gradient, sparse or mixed
-        dtypes and devices (``_precondition``, a tensor at a time, serves those)."""
-        groups = [self.param_groups[self._group_of[p]] for p in params]
+        dtypes and devices (``preconditioned``, a tensor at a time, serves those)."""
+        groups = [self.groups[self.group_of[p]] for p in params]
         states = [self.state.get(p) for p in params]
         if not all(st and "exp_avg_sq" in st for st in states):
             return None
@@ -250,68 +393,28 @@ class Statistics:
             torch._foreach_add_(views, eps)
         return v_hat
 
-    def _quotient(self, flat: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    def quotient(self, flat: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
         """P g of the gradients laid end to end in ``flat`` (a DDP bucket), P = 1 /
-        ``denominator`` (``_denominator``'s, the same for the worker's gradient and the mean's),
+        ``denominator`` (``denominator``'s, the same for the worker's gradient and the mean's),
         in this thread's scratch: one division."""
         _, scratch = _scratch(flat.numel(), flat.dtype, flat.device)
         return torch.div(flat, denominator, out=scratch)
 
-    def _keep_norms(self, params: list[torch.Tensor], vector: torch.Tensor) -> None:
+    def keep_norms(self, params: list[torch.Tensor], vector: torch.Tensor) -> None:
         """Keep a bucket's norms (``vector``, one per parameter) for this step's sums: as one
         vector when there is one group."""
-        norms = self._step.norms
+        norms = self.step.norms
         if len(norms) == 1:
             norms[0].append(vector)
         else:
             for i, p in enumerate(params):
-                norms[self._group_of[p]].append(vector[i:i + 1])
+                norms[self.group_of[p]].append(vector[i:i + 1])
 
-    def _take_norms(self, params: list[torch.Tensor], grads: list | None = None) -> None:
-        """Keep the bucket's norms for this step's sums (``_keep_norms``)."""
-        self._keep_norms(params, self._grad_norms(params, grads))
+    def take_norms(self, params: list[torch.Tensor], grads: list | None = None) -> None:
+        """Keep the bucket's norms for this step's sums (``keep_norms``)."""
+        self.keep_norms(params, self.grad_norms(params, grads))
 
-    def start_statistics(self):
-        """[s..., c, w] over workers, asynchronously (the engine's ``_allreduce_async``). In the
-        gradients' dtype the sums travel three times (``hvd_scale.reduce``: the wire);
-        ``_summed`` turns the result into the float64 sum."""
-        s = self.local_statistics()
-        groups = len(self.param_groups)
-        wire = torch.cat([*wire_copies(s[:groups]), s[groups:]]).to(self._stats_dtype)
-        return self._allreduce_async(wire, STATS_NAME)
-
-    def _finish_statistics(self, handle, counting: bool) -> None:
-        """After the gradients' allreduce: p.grad made the mean micro-gradient, and the step's
-        statistics (``pending``: [s..., c, w, q...]) or count kept for ``reduced_statistics``."""
-        step = self._step
-        if handle is None:
-            self._to_mean_gradient(None)
-        elif counting:
-            count = self._wait_sum(handle).round()  # exact again after the average's rounding
-            step.counted()
-            self._to_mean_gradient(count[0])
-            step.count = int(count.item())
-        else:
-            summed = self._summed(handle)
-            self._to_mean_gradient(summed[len(self.param_groups)])
-            # [s..., c, w, q...] (hvd_scale.reduce's step layout), on the gradients' device.
-            step.pending = torch.cat([summed, self.mean_sqnorms(summed[len(self.param_groups)])])
-        step.per_pass = None  # the next step decides at its first gradient (W may change)
-
-    def _summed(self, handle) -> torch.Tensor:
-        """[s..., c, w] summed over workers, float64, from ``start_statistics``'s handle."""
-        groups = len(self.param_groups)
-        reduced = self._wait_sum(handle)
-        plain, wide, narrow, counts = (reduced[:groups], reduced[groups:2 * groups],
-                                       reduced[2 * groups:3 * groups], reduced[3 * groups:])
-        # Counts of micro-batches and samples, exact again after the average's rounding.
-        return torch.cat([wire_sums(plain, wide, narrow, torch), counts.round()])
-
-    def _norm(self, g: torch.Tensor) -> torch.Tensor:
-        """[|g|] as a float64 vector of one (``norms``)."""
-        return norms([g])
-
-    def _precondition(self, p: torch.Tensor, grad: torch.Tensor, group: dict,
+    def preconditioned(self, p: torch.Tensor, grad: torch.Tensor, group: dict,
                       floored: bool = True) -> torch.Tensor:
         """g / (sqrt(v_hat) + eps) for adascale_adam (Adam's second moment before this step),
         v_hat floored for the statistics (``core.precondition``); ``floored=False``: Adam's own
@@ -328,58 +431,106 @@ class Statistics:
         return precondition(grad, state["exp_avg_sq"], bias_correction2, group["eps"],
                             torch.Tensor.sqrt_, **floor)
 
-    def local_statistics(self) -> torch.Tensor:
-        """[s_0, ..., s_{G-1}, c, w] for this worker (the engine's layout), float64: squares of
-        the float64 norms, which no finite gradient overflows. c is the passes this worker
-        actually took (a short step takes fewer than k). Read per pass (``_per_pass``): each
-        pass's |g|^2, w = c; per worker: the one read of the sum G of its c passes, |G|^2 / c,
-        w = 1."""
-        device, step = self._device, self._step
+
+    # -- the statistics' allreduce ----------------------------------------------------------------
+    def local(self) -> StepRecord:
+        """This worker's record (``hvd_scale.reduce``), float64: s_j the squares of the float64
+        norms, which no finite gradient overflows; c the passes this worker actually took (a
+        short step takes fewer than k). Read per pass (``per_pass``): each pass's |g|^2, w = c;
+        per worker: the one read of the sum G of its c passes, |G|^2 / c, w = 1."""
+        device, step = self.device, self.step
         sums = [_vector(group_norms).square().sum() if group_norms
                 else torch.zeros((), dtype=torch.float64, device=device)
                 for group_norms in step.norms]
         passes = self._passes_taken()
         samples = passes
-        if passes and not self._per_pass():
+        if passes and not self.per_pass():
             sums, samples = [s / passes for s in sums], 1
-        counts = torch.tensor([float(passes), float(samples)], dtype=torch.float64, device=device)
         step.counted()
-        return torch.cat([torch.stack(sums), counts])
+        return StepRecord(torch.stack(sums), torch.tensor(float(passes), dtype=torch.float64,
+                                                          device=device),
+                          torch.tensor(float(samples), dtype=torch.float64, device=device))
 
     def _passes_taken(self) -> int:
         """This worker's passes this step: with the norms taken in the engine's buckets, one
         if a gradient was sent (k = 1) or the engine's own count (Horovod's accumulation
-        counters, ``_engine_passes``); else the tensor hooks' (the largest count over the
-        hooked parameters, every one where this step reads per pass)."""
-        step = self._step
-        if self._bucketed and not self._per_pass():
-            if self.backward_passes_per_step == 1:
+        counters); else the tensor hooks' (the largest count over the hooked parameters, every
+        one where this step reads per pass)."""
+        step = self.step
+        if self.bucketed and not self.per_pass():
+            if self.passes == 1:
                 return min(1, step.fired_total)
-            if self._counted_by_engine():
-                return self._engine_passes()
+            counted = self.engine.passes()
+            if counted is not None:
+                return counted
         return max(step.fired, default=0)
 
-    def mean_sqnorms(self, count: torch.Tensor | None = None) -> torch.Tensor:
+    def start(self):
+        """This worker's record over workers, asynchronously (the engine's ``allreduce_async``),
+        on the wire (``StepRecord.to_wire``: in float32 the sums travel three times). A sharded
+        engine's |g_bar|^2 shares ride with it (``Engine.mean_sqnorms``)."""
+        record = self.local()
+        if self.engine.sharded:
+            record = record._replace(mean_sqnorms=self.engine.mean_sqnorms(None))
+        wire = record.to_wire(torch).to(self.engine.stats_dtype)
+        return self.engine.allreduce_async(wire, STATS_NAME)
+
+    def start_count(self, passes: int):
+        """[c] over workers, reduced as the gradients are (``start``'s wire)."""
+        count = torch.tensor([float(passes)], dtype=self.engine.stats_dtype, device=self.device)
+        return self.engine.allreduce_async(count, STATS_NAME + ".count")
+
+    def finish(self, handle, counting: bool) -> None:
+        """After the gradients' reduction: p.grad made the mean micro-gradient, and the step's
+        statistics (``pending``: [s..., c, w, q...], ``StepRecord.pack``) or count kept for
+        ``reduced_statistics``."""
+        step = self.step
+        if handle is None:
+            self.to_mean_gradient(None)
+        elif counting:
+            count = self.engine.wait_sum(handle).round()  # exact again after the average's rounding
+            step.counted()
+            self.to_mean_gradient(count[0])
+            step.count = int(count.item())
+        else:
+            record = StepRecord.from_wire(self.engine.wait_sum(handle), len(self.groups), torch)
+            self.to_mean_gradient(record.count)
+            if self.engine.sharded:  # the shards' sum, of the reduced gradient before the mean
+                factor = self._mean_factor(record.count)
+                q = record.mean_sqnorms * (factor * factor)
+            else:
+                q = self.engine.mean_sqnorms(record.count)
+            # [s..., c, w, q...] (hvd_scale.reduce's step layout), on the gradients' device.
+            step.pending = record._replace(mean_sqnorms=q).pack(torch)
+        step.per_pass = None  # the next step decides at its first gradient (W may change)
+
+    def mean_sqnorms(self) -> torch.Tensor:
         """|g_bar|^2 per group (float64) from the mean micro-gradient that p.grad holds after
-        synchronize (``count``, n, is for an engine that measured the sum earlier: DDP's)."""
+        the engine's reduction (a replicated engine's ``mean_sqnorms``)."""
         out = []
-        for group in self.param_groups:
+        for group in self.groups:
             params = [p for p in group["params"] if p.grad is not None]
-            out.append(self._grad_norms(params).square().sum() if params
-                       else torch.zeros((), dtype=torch.float64, device=self._device))
+            out.append(self.grad_norms(params).square().sum() if params
+                       else torch.zeros((), dtype=torch.float64, device=self.device))
         return torch.stack(out)
 
-    def _to_mean_gradient(self, count: torch.Tensor | None) -> None:
+    def _mean_factor(self, count: torch.Tensor) -> torch.Tensor:
+        """What turns the engine's reduced gradient into the mean micro-gradient: W / n where
+        it averaged the workers' sums, 1 / n where it summed them."""
+        workers = self.scaling.hvd.size() if self.engine.averaged else 1.0
+        return workers / count.clamp(min=1)
+
+    def to_mean_gradient(self, count: torch.Tensor | None) -> None:
         """Make p.grad the mean of the step's micro-gradients, in place (no copy).
 
-        The engine leaves there, over workers, the mean (Horovod's op=Average, DDP) or the sum
-        (op=Sum) of each worker's *sum* of its passes. The mean over all n micro-gradients is what Keras applies
+        The engine leaves there, over workers, the mean (``averaged``) or the sum of each
+        worker's *sum* of its passes. The mean over all n micro-gradients is what Keras applies
         too, so one loss convention (each micro-batch's mean loss, not divided by k) gives the
-        same update in both frameworks. ``count``: n, from the statistics (a device tensor); None
-        without measurement, when every worker is taken to have made k passes.
+        same update in both frameworks. ``count``: n, from the statistics (a device tensor);
+        None without measurement, when every worker is taken to have made k passes.
         """
-        k, workers = self.backward_passes_per_step, self.scaling.hvd.size()
-        per_worker_mean = self._averaged
+        k, workers = self.passes, self.scaling.hvd.size()
+        per_worker_mean = self.engine.averaged
         # At k = 1 the average is already the mean unless some worker sent no pass: a rank
         # that called hvd.join() contributes zeros, and Horovod still divides by all workers.
         # On the CPU n is read for free and the multiply skipped when it changes nothing; on
@@ -387,45 +538,14 @@ class Statistics:
         if per_worker_mean and k == 1 and (count is None or (
                 count.device.type == "cpu" and count.item() == workers)):
             return
-        grads = self._grads()
+        grads = self.grads()
         if not grads:
             return
         if count is None:
             factor = 1.0 / (k if per_worker_mean else k * workers)
         else:  # on the device: no host transfer before the step's one
-            factor = (workers if per_worker_mean else 1.0) / count.clamp(min=1)
+            factor = self._mean_factor(count)
         torch._foreach_mul_(grads, factor)
 
-    def _grads_finite(self) -> bool:
-        return all_finite(self._grads())
-
-    def _count_scaler_skips(self, scaler) -> None:
-        """A GradScaler that skips this optimizer's step (an overflow: its ``step`` never calls
-        ours) has that step counted skipped right there, not at the next synchronizing pass (a
-        run ending on a skipped step would never count it): this scaler's ``step`` is wrapped
-        (on the instance; a scaler shared by several optimizers wraps once for each)."""
-        inner = getattr(scaler, "step", None)
-        if not callable(inner):
-            return
-
-        def step(optimizer, *args, **kwargs):
-            record = self.scaling.run.policy
-            result = inner(optimizer, *args, **kwargs)
-            if optimizer is self and self.scaling.run.policy is record:  # ours never ran
-                self._skipped_by_scaler()
-            return result
-        scaler.step = step
-
-    def _skipped_by_scaler(self) -> None:
-        """The step the scaler skipped: its gathered statistics dropped, counted skipped."""
-        step = self._step
-        if self.engine != "ddp" and not step.synchronized:
-            # Horovod without synchronize() first: the scaler read the gradients before they
-            # were averaged (its idiom synchronizes first); not ours to count.
-            return
-        # DDP sent the statistics with the last bucket, in backward; Horovod (and DDP's
-        # synchronize()) gathered them: either way the step never consumed them.
-        handle, step.stats_handle = step.stats_handle, None
-        self._drop(handle)
-        step.synchronized, step.pending, step.count = False, None, None
-        self.scaling.skip()
+    def grads_finite(self) -> bool:
+        return all_finite(self.grads())

@@ -347,20 +347,20 @@ def case_adam():
     # v_hat floored at (1 - beta2) / c2 x its mean (core.precondition: weights whose v is empty)
     v_hat = torch.maximum(v_hat, (1 - group["betas"][1]) / bias_correction2 * v_hat.mean())
     expected = g / (v_hat.sqrt() + group["eps"])
-    exact = torch.equal(opt._precondition(p, g, group), expected)
+    exact = torch.equal(opt._statistics.preconditioned(p, g, group), expected)
     # The statistics' batched path (foreach ops over a bucket, in chunks) gives each tensor's
     # |P g| as the one-tensor path does, to float32 rounding (the floor's mean summed in
     # another order); with chunks of one element, every tensor in a chunk of its own.
     params = [q for q in model.parameters()]
     grads = [torch.randn_like(q) for q in params]
-    single = torch.stack([torch.linalg.vector_norm(opt._precondition(q, h, group)).double()
+    single = torch.stack([torch.linalg.vector_norm(opt._statistics.preconditioned(q, h, group)).double()
                           for q, h in zip(params, grads)])
-    batched = opt._grad_norms(params, grads)
+    batched = opt._statistics.grad_norms(params, grads)
     from hvd_scale.adapters.torch import statistics as statistics_module
     chunk = statistics_module.PRECONDITION_CHUNK
     statistics_module.PRECONDITION_CHUNK = 1
     try:
-        one_by_one = opt._grad_norms(params, grads)
+        one_by_one = opt._statistics.grad_norms(params, grads)
     finally:
         statistics_module.PRECONDITION_CHUNK = chunk
     batched_error = max(float((batched / single - 1).abs().max()),
@@ -867,7 +867,7 @@ def case_one_process():
             loss_fn(ref, *micro_batch(0, step, 0)).backward()
             ref_opt.step()
         out[policy] = {"progress": opt.progress, "gain": opt.gain, "steps": opt.steps,
-                       "hooks": len(opt._hooks), "measured": opt.scaling.measure,
+                       "hooks": len(opt._statistics.hooks), "measured": opt.scaling.measure,
                        "skipped": opt.skipped, "lr": opt.param_groups[0]["lr"],
                        "max_diff_to_reference": float((params_vector(model) - params_vector(ref)).abs().max())}
     emit("one_process", **out)
