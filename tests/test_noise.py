@@ -98,6 +98,17 @@ def test_coverage_and_bias(measured):
     assert np.all(np.isfinite(high)) and np.all(low > 0)  # mu2 well apart from 0 here
 
 
+def test_a_young_window_still_covers():
+    """Ten steps in: V comes from a few steps, and Student's t at n_eff - 1 keeps the intervals
+    near their level (the normal quantile covered 91-93% here)."""
+    assert noise.t_quantile(10) == pytest.approx(2.228, abs=1e-3)
+    assert noise.t_quantile(2) == pytest.approx(4.303, rel=0.01)
+    for samples in ("workers", "passes"):
+        _, low, high = simulate(2, 4, samples, steps=10, seed=5, replicates=1000)
+        covered = ((low <= truth()) & (truth() <= high)).mean(axis=0)
+        assert np.all(covered >= 0.925), (samples, covered)
+
+
 def test_interval_narrows_with_the_window():
     """The interval is the window's: a younger EMA (fewer steps) gives wider intervals."""
     _, low_a, high_a = simulate(2, 4, "workers", steps=100, seed=1, replicates=100)
