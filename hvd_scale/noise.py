@@ -209,6 +209,8 @@ def interval(estimator: EstimatorState, noise: NoiseState, z: float = Z95
     if not math.isfinite(quantile):  # the window holds less than two steps' worth
         return None
     low, high = fieller(np.maximum(s, 0.0), m, v_ss, v_mm, v_sm, quantile)
+    # mu2's estimate at or below 0 (a group's gradient lost in its noise): nothing is bounded
+    low, high = np.where(m > 0, low, 0.0), np.where(m > 0, high, np.inf)
     with np.errstate(divide="ignore", invalid="ignore"):
         point = np.where(m > 0, np.maximum(s, 0.0) / np.where(m > 0, m, 1.0), np.inf)
     return point, low, high

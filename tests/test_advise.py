@@ -489,7 +489,7 @@ def test_plot_draws_the_noise_scale_with_its_interval_and_per_group(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.collections import PolyCollection
 
-    from hvd_scale.launch.plot import plot_runs
+    from hvd_scale.launch.plot import noise_text, plot_runs, read_run
     from hvd_scale.metrics import group_metric
 
     log_dir = tmp_path / "two_groups"
@@ -505,6 +505,10 @@ def test_plot_draws_the_noise_scale_with_its_interval_and_per_group(tmp_path):
                         group_metric("noise_scale_high", j): (j + 1.5) * step})
         logger.log(row)
     logger.close()
+    _, columns = read_run(log_dir)
+    assert noise_text(columns, 19) == ("22 [21.5, 23] (95%); per group: 0: 20 [10, 30] (95%), "
+                                       "1: 40 [30, 50] (95%)")
+    assert noise_text(columns, 0).startswith("3 [2.5, inf] (95%)")
     fig = plot_runs([str(log_dir)], str(tmp_path / "p.png"))
     whole, groups = fig.axes[4], fig.axes[5]
     assert len(whole.lines) == 1 and len(groups.lines) == 2

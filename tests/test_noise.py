@@ -209,3 +209,19 @@ def test_the_run_record_carries_it_through_steps_checkpoints_and_the_log(tmp_pat
                            for name in ("noise_scale", "noise_scale_low", "noise_scale_high")]
     assert float(rows[-1]["noise_scale_low[1]"]) == pytest.approx(low[1])
     assert math.isnan(float(rows[0]["noise_scale_low"]))  # one step: no interval yet
+
+
+def test_a_group_lost_in_its_noise_is_bounded_by_nothing():
+    """mu2's estimate below 0 (a group whose gradient is lost in its noise): B = inf, [0, inf)."""
+    est, rec = EstimatorState(), noise.NoiseState()
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        g = np.stack([2.0 + rng.standard_normal((4, 3)), 0.01 + rng.standard_normal((4, 3))])
+        before = est
+        est = fold(est, (g ** 2).sum(axis=(1, 2)), (g.mean(axis=1) ** 2).sum(axis=1), 4, 4.0,
+                   0.9)
+        rec = noise.advance(rec, before, est, 0.9)
+    est = dataclasses.replace(est, mu2_biased=est.mu2_biased * np.array([1.0, -1.0]))
+    point, low, high = noise.interval(est, rec)
+    assert math.isinf(point[1]) and low[1] == 0 and math.isinf(high[1])
+    assert 0 < low[0] <= point[0] <= high[0] < math.inf
