@@ -63,3 +63,96 @@ def test_step_record_on_the_wire_in_float32():
     assert StepRecord.from_wire(record._replace(mean_sqnorms=None).to_wire(torch), 3,
                                 torch).mean_sqnorms is None
     assert pack_local([1.0, 2.0], 3, samples=1).tolist() == [1.0, 2.0, 3.0, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Every engine against the Protocol. Adding an engine: one line here.
+
+import dataclasses  # noqa: E402
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+
+from hvdrun import WORKERS_DIR, run_horovod, run_torchrun, worker_results  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCase:
+    module: str  # where its public DistributedOptimizer is
+    engine: str  # the class meeting engine.Engine, in that module
+    launcher: str  # "horovodrun" or "torchrun"
+    wrap: str  # how the worker wraps the model: "none", "ddp", "fully_shard"
+    sharded: bool = False
+    tensor_hooks: bool = True  # per-pass norms by a tensor hook per parameter (samples="passes")
+
+
+ENGINES = [
+    EngineCase("hvd_scale.adapters.torch.horovod", "HorovodEngine", "horovodrun", "none"),
+    EngineCase("hvd_scale.adapters.torch.ddp", "DDPEngine", "torchrun", "ddp"),
+    # FSDP2 (adapters/torch/fsdp.py, tried with this worker):
+    # EngineCase("hvd_scale.adapters.torch.fsdp", "FSDPEngine", "torchrun", "fully_shard",
+    #            sharded=True, tensor_hooks=False),
+]
+NP = 2
+
+
+def _engine_class(case: EngineCase):
+    return getattr(importlib.import_module(case.module), case.engine)
+
+
+@pytest.mark.parametrize("case", ENGINES, ids=lambda c: c.engine)
+def test_engine_meets_the_contract_by_name_and_signature(case):
+    from hvd_scale.adapters.torch import engine as contract
+
+    cls = _engine_class(case)
+    assert set(contract.ATTRIBUTES) | set(contract.METHODS) == \
+        {name for name in vars(contract.Engine) if not name.startswith("_")} | \
+        set(contract.Engine.__annotations__), "engine.py's lists and the Protocol differ"
+    for name in contract.METHODS:
+        method = getattr(cls, name, None)
+        assert callable(method), f"{cls.__name__} has no method {name}"
+        want = inspect.signature(getattr(contract.Engine, name))
+        got = inspect.signature(method)
+        assert [(p.name, p.kind) for p in got.parameters.values()] == \
+            [(p.name, p.kind) for p in want.parameters.values()], \
+            f"{cls.__name__}.{name}{got} differs from the contract's {name}{want}"
+    # The public optimizer is a TorchOptimizer built from it, not a subclass of the engine.
+    from hvd_scale.adapters.torch.optimizer import TorchOptimizer
+    public = importlib.import_module(case.module).DistributedOptimizer
+    assert issubclass(public, TorchOptimizer) and not issubclass(public, cls)
+    assert not issubclass(cls, TorchOptimizer)
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    """Each engine's 2-process job, once for the module; its ranks' reports."""
+    out = {}
+    for case in ENGINES:
+        args = [str(WORKERS_DIR / "engine_contract_worker.py"), case.module, case.wrap]
+        if case.launcher == "horovodrun":
+            proc = run_horovod(["python", *args], np=NP, timeout=240)
+        else:
+            proc = run_torchrun(args, nproc=NP, timeout=240)
+        out[case.engine] = worker_results(proc, np=NP)
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ENGINES, ids=lambda c: c.engine)
+def test_engine_collectives_steps_and_close_in_a_two_process_job(jobs, case):
+    ranks = jobs[case.engine]
+    for r in ranks:
+        assert r["class"] == case.engine and r["protocol"], r
+        assert r["types"] == ["str", "bool", "bool", True] and r["size"] == NP
+        # sum of [r + 1, 10 (r + 1), -r] over ranks 0, 1, as float64
+        assert r["wait_sum"] == [3.0, 30.0, -1.0] and r["wait_sum_dtype"] == "torch.float64"
+        assert r["average"] == [1.5] and r["in_step_between_steps"] is False
+        # two steps of k = 2 and one of k = 1 (set_passes -> follow_passes): S = W k each time
+        assert r["steps"] == 3 and r["passes"] == 1 and r["scale"] == NP * 1
+        assert np.isfinite(r["sigma2"]) and r["gain"] >= 1.0
+        # per-pass norms took a tensor hook per parameter; close() removed them, and the
+        # engine's own reduction still averages the gradients after it
+        assert (r["hooks_before_close"] > 0) == case.tensor_hooks and r["hooks_after_close"] == 0
+        if not case.sharded:
+            assert r["after_close_spread"] == pytest.approx(0.0, abs=1e-7)
+    # the ranks applied the same steps
+    assert len({(r["gain"], r["sigma2"], r["weights"]) for r in ranks}) == 1, ranks

@@ -131,8 +131,9 @@ class HorovodEngine:
         statistics.hook_parameters(kind, few=self.bucketed and not self.switching)
 
     def close(self) -> None:
-        """Horovod's hook sends its gradients itself again (the tensor hooks: ``StepStatistics``)."""
-        self.hvd_opt._allreduce_grad_async = self.send
+        """Horovod's hook sends its gradients itself again: its own method, no longer shadowed
+        on the instance (the tensor hooks: ``StepStatistics.close``)."""
+        vars(self.hvd_opt).pop("_allreduce_grad_async", None)
 
     # -- the Horovod protocol -------------------------------------------------------------------
     def synchronize(self) -> None:
