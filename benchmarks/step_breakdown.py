@@ -6,8 +6,8 @@
 Plain ``hvd.DistributedOptimizer`` and hvd_scale ``adascale`` train the same model in interleaved
 rounds; rank 0 prints median milliseconds per step of: forward + backward (where the buckets' norms
 and sends and the statistics' enqueue run, each also timed), ``step()``, and inside hvd_scale's
-step the parts it adds: waiting for the gradients (Horovod's synchronize), decoding the
-statistics, |g_bar|^2 (``mean_sqnorms``), the host side (``on_host``) and in it the engine
+step the parts it adds: waiting for the gradients (Horovod's synchronize), waiting for and
+decoding the statistics (the engine's ``wait_sum``), |g_bar|^2 (``mean_sqnorms``), the host side (``on_host``) and in it the engine
 (``Policy.step``), and the wrapped optimizer's update. A part called several times a step (a
 bucket) is summed per step. Timing wrappers add ~1 us per call.
 """
@@ -54,11 +54,11 @@ def run(model_name: str, rounds: int, per_round: int, warmup: int) -> dict:
                                      named_parameters=plain_model.named_parameters())
     ada = DistributedOptimizer(torch.optim.SGD(ada_model.parameters(), lr=0.01, momentum=0.9),
                                named_parameters=ada_model.named_parameters(), policy="adascale")
-    timed(ada, "_flush_bucket", times["adascale: a bucket's norms and sends (in backward)"])
-    timed(ada, "start_statistics", times["adascale: statistics enqueued (in backward)"])
+    timed(ada._horovod, "_flush_bucket", times["adascale: a bucket's norms and sends (in backward)"])
+    timed(ada._statistics, "start", times["adascale: statistics enqueued (in backward)"])
     timed(ada._hvd_opt, "synchronize", times["adascale: wait for gradients"])
-    timed(ada, "_summed", times["adascale: statistics decoded"])
-    timed(ada, "mean_sqnorms", times["adascale: |g_bar|^2"])
+    timed(ada._horovod, "wait_sum", times["adascale: statistics waited for and decoded"])
+    timed(ada._horovod, "mean_sqnorms", times["adascale: |g_bar|^2"])
     timed(ada, "on_host", times["adascale: host side (engine, checks, log)"])
     timed(ada.policy, "step", times["adascale: engine"])
     timed(ada._hvd_opt, "step", times["adascale: SGD update"])
