@@ -16,8 +16,9 @@ torch.distributed (DDP).
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
 
 Modules: ``optimizer.py`` (the hooks of ``adapters/protocol.py`` in torch, whichever engine:
-where torch plugs in; its statistics in ``statistics.py``, their norms in ``norms.py``, its
-checkpoints in ``checkpoint.py``); the engines: ``horovod.py`` (``hvd.DistributedOptimizer``
+where torch plugs in, built from parts: the step's statistics in ``statistics.py``, their norms
+in ``norms.py``, its checkpoints in ``checkpoint.py``); ``engine.py``, the contract every engine
+meets; the engines: ``horovod.py`` (``hvd.DistributedOptimizer``
 wrapped; ``process_set.py``: the shared half's collectives in a process set; ``elastic.py``:
 Horovod elastic's state handler, registered on import) and ``ddp.py`` (DDP's communication hook;
 no Horovod needed); ``scheduler.py`` (torch lr schedulers in baseline steps), ``hessian.py``
