@@ -265,3 +265,67 @@ def test_the_ddp_tutorial_pair(tmp_path):
                             str(snap["after"])], env=policy, timeout=150)
     assert "Resuming training from snapshot at Epoch 6, tau 64" in resumed.stdout
     assert "adascale at S = 6: 128 steps, tau 128.00, gain 1.000" in resumed.stdout
+
+
+def step_losses(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", out, re.M)]
+
+
+@pytest.mark.timeout(400)
+def test_the_fsdp_tutorial_pair(tmp_path):
+    """PyTorch's FSDP2 example (meta init, fully_shard per block, Adam, clipping, checkpoints
+    through torch.distributed.checkpoint's state_dict functions) and its conversion: the wrapped
+    optimizer, k micro-batches a step (the first k - 1 without gradient sync), the optimizer's
+    state through hvd_scale's DCP functions. Under torchrun (2 ranks) with HVD_SCALE_POLICY=none
+    the conversion trains as the original, loss for loss; under sqrt with k = 2 (S = 4) it counts
+    tau 4 a step and resumes from its checkpoint at its tau."""
+    from hvdrun import run_torchrun
+
+    before, after = (EXAMPLES / f"fsdp_tutorial_{name}.py" for name in ("before", "after"))
+    changed = changed_lines(before, after)
+    added = [line[1:].strip() for line in changed if line[0] == "+"]
+    for line in ("from hvd_scale.adapters.torch.fsdp import DistributedOptimizer",
+                 "from hvd_scale.adapters.torch.dcp import get_optimizer_state_dict, "
+                 "set_optimizer_state_dict",
+                 "optim = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=args.lr), "
+                 "model,",
+                 "model.set_requires_gradient_sync(i == args.passes - 1)"):
+        assert line in added, (line, added)
+    assert len(changed) <= 45, changed  # what docs/fsdp.md shows
+
+    ck = {name: str(tmp_path / name) for name in ("before", "none", "sqrt")}
+    runs = [([str(before), "--checkpoint-dir", ck["before"]], None),
+            ([str(after), "--checkpoint-dir", ck["none"]], {"HVD_SCALE_POLICY": "none"}),
+            ([str(after), "--passes", "2", "--checkpoint-dir", ck["sqrt"]],
+             {"HVD_SCALE_POLICY": "sqrt"})]
+    with ThreadPoolExecutor(3) as pool:
+        plain, none, sqrt = pool.map(lambda run: run_torchrun(run[0], env=run[1], timeout=200),
+                                     runs)
+    assert "hvd_scale" not in plain.stdout + plain.stderr
+    assert len(step_losses(plain.stdout)) == 10
+    assert step_losses(none.stdout) == pytest.approx(step_losses(plain.stdout), rel=1e-6)
+    assert "none at S = 2: 10 steps, tau 20.00" in none.stdout
+    assert "sqrt at S = 4: 10 steps, tau 40.00" in sqrt.stdout
+    assert step_losses(sqrt.stdout)[-1] < step_losses(plain.stdout)[-1]  # lr x 2, 4x the data
+    import torch
+
+    saved = torch.load(Path(ck["sqrt"]) / "10" / "optim_state_dict.pt", weights_only=True)
+    assert json.loads(saved["hvd_scale"])["hvd_scale"]["policy"]["progress"] == 40.0
+
+    resumed = run_torchrun([str(after), "--steps", "5", "--passes", "2", "--checkpoint-dir",
+                            ck["sqrt"]], env={"HVD_SCALE_POLICY": "sqrt"}, timeout=200)
+    assert "[RANK0] resumed at step 10, tau 40" in resumed.stdout
+    assert "sqrt at S = 4: 15 steps, tau 60.00" in resumed.stdout
+
+
+def test_the_fsdp_guide_shows_the_pairs_diff():
+    """docs/fsdp.md quotes the FSDP2 pair's diff as the files are now."""
+    import difflib
+
+    before, after = (EXAMPLES / f"fsdp_tutorial_{name}.py" for name in ("before", "after"))
+    diff = difflib.unified_diff(before.read_text().splitlines(), after.read_text().splitlines(),
+                                f"examples/{before.name}", f"examples/{after.name}", lineterm="")
+    page = (REPO_ROOT / "docs" / "fsdp.md").read_text()
+    assert "```diff\n" + "\n".join(diff) + "\n```" in page, \
+        "docs/fsdp.md's diff is not examples/fsdp_tutorial_before.py against _after.py: paste " \
+        "the new one"
