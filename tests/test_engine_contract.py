@@ -88,9 +88,8 @@ class EngineCase:
 ENGINES = [
     EngineCase("hvd_scale.adapters.torch.horovod", "HorovodEngine", "horovodrun", "none"),
     EngineCase("hvd_scale.adapters.torch.ddp", "DDPEngine", "torchrun", "ddp"),
-    # FSDP2 (adapters/torch/fsdp.py, tried with this worker):
-    # EngineCase("hvd_scale.adapters.torch.fsdp", "FSDPEngine", "torchrun", "fully_shard",
-    #            sharded=True, tensor_hooks=False),
+    EngineCase("hvd_scale.adapters.torch.fsdp", "FSDPEngine", "torchrun", "fully_shard",
+               sharded=True, tensor_hooks=False),
 ]
 NP = 2
 
@@ -152,6 +151,7 @@ def test_engine_collectives_steps_and_close_in_a_two_process_job(jobs, case):
         # per-pass norms took a tensor hook per parameter; close() removed them, and the
         # engine's own reduction still averages the gradients after it
         assert (r["hooks_before_close"] > 0) == case.tensor_hooks and r["hooks_after_close"] == 0
+        assert "step() after opt.close()" in r["step_after_close"]
         if not case.sharded:
             assert r["after_close_spread"] == pytest.approx(0.0, abs=1e-7)
     # the ranks applied the same steps
