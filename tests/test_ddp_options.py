@@ -297,9 +297,9 @@ def test_a_short_step_counts_its_own_passes(results):
 REFUSALS = {
     "not_ddp": ("TypeError: model must be a torch.nn.parallel.DistributedDataParallel",
                 "got Net"),
-    "fsdp2": ("ValueError: hvd_scale does not support FSDP yet", "reduce-scatter",
-              "Wrap the model in DistributedDataParallel instead"),
-    "fsdp1_by_name": ("ValueError: hvd_scale does not support FSDP yet",),
+    "fsdp2": ("ValueError: hvd_scale's DDP engine takes a DistributedDataParallel model",
+              "hvd_scale.adapters.torch.fsdp.DistributedOptimizer(optimizer, model"),
+    "fsdp1_by_name": ("ValueError: hvd_scale's DDP engine", "FSDP1", "not supported"),
     "hook_registered": ("ValueError: hvd_scale: this DDP model has a communication hook already",
                         "comm_hook=hook"),
     "stray_parameter": ("ValueError: hvd_scale: the optimizer must train exactly",

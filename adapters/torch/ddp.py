@@ -59,11 +59,10 @@ from .optimizer import TorchOptimizer, scaling_for
 from .statistics import StepStatistics
 
 FSDP_REFUSED = (
-    "hvd_scale does not support FSDP yet: FSDP reduce-scatters each gradient, so no rank holds "
-    "g_bar whole. Supporting it means taking each rank's squared norms of its local gradient "
-    "before the reduce-scatter (FSDP2's set_custom_reduce_scatter, or a comm hook on FSDP1) and "
-    "|g_bar|^2 of each rank's shard after it, all of which add up over ranks in the statistics' "
-    "one allreduce. Wrap the model in DistributedDataParallel instead")
+    "hvd_scale's DDP engine takes a DistributedDataParallel model, and this one is sharded with "
+    "FSDP. For FSDP2 (fully_shard) use hvd_scale.adapters.torch.fsdp.DistributedOptimizer("
+    "optimizer, model, ...), which reads the statistics from FSDP2's reduce-scatters; FSDP1 "
+    "(FullyShardedDataParallel) is not supported: shard with fully_shard instead")
 
 # #49, measured in tests/workers/ddp_options_worker.py (rank 1, error feedback, 2 workers): from
 # its start_powerSGD_iter on, PowerSGD's "mean" was 68-105% away from g_bar (relative L2) at every
