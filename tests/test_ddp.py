@@ -49,11 +49,13 @@ def engines(tmp_path_factory):
     runs["horovod"]["resumed from ddp"] = resumed["resumed"]
     runs["reference"] = _by_run(worker_results(run_process(
         [sys.executable, str(WORKER), "--engine", "reference"], timeout=240)))
+    runs["fsdp"] = _by_run(worker_results(run_torchrun([str(WORKER), "--engine", "fsdp"],
+                                                       timeout=240)))
     return runs
 
 
-def _same(a, b, what):
-    for key in KEYS:
+def _same(a, b, what, keys=KEYS):
+    for key in keys:
         np.testing.assert_allclose([row[key] for row in a["rows"]], [row[key] for row in b["rows"]],
                                    rtol=RTOL, atol=1e-15, err_msg=f"{what}: {key}")
     np.testing.assert_allclose(a["weights"], b["weights"], rtol=RTOL, atol=1e-12,
@@ -84,6 +86,44 @@ def test_every_policy_the_same_under_horovod_ddp_and_one_process(engines):
         workers, passes = engine["adascale/k=4"][0]["rows"], engine["adascale/k=4/passes"][0]["rows"]
         assert all(a["sigma2"] != pytest.approx(b["sigma2"], rel=1e-3)
                    for a, b in zip(workers, passes)), (workers, passes)
+
+
+@requires_horovod
+@pytest.mark.timeout(900)
+def test_every_policy_the_same_under_fsdp2(engines):
+    """FSDP2 (``fully_shard``, hvd_scale.adapters.torch.fsdp) as a fourth column: every policy
+    but adascale_adam (refused under FSDP2) at k = 1 and 4, with each worker's sum read once
+    (the first k - 1 passes under set_requires_gradient_sync(False)) and, for adascale, every
+    pass read (a reduce-scatter every pass), and clipping after the last pass: the same lr
+    factor, tau, steps and weights as DDP, Horovod and the one-process reference, and for the
+    measuring policies the same gain, sigma2 and mu2. FSDP2's engine always measures (a fixed
+    policy's gain, sigma2 and mu2 are read-outs there, nan or 1 under DDP): those are checked
+    for being measured."""
+    fsdp, ddp, horovod, reference = (engines[e] for e in ("fsdp", "ddp", "horovod", "reference"))
+    runs = sorted(r for r in fsdp if "/k=" in r)
+    assert runs == sorted(r for r in ddp if "/k=" in r and not r.startswith("adascale_adam"))
+    assert len(runs) == 17
+    for run in [*runs, "clip synchronize", "clip unsynchronized"]:
+        measured = run.startswith("adascale") or run.startswith("clip")
+        keys = KEYS if measured else ("lr_factor", "progress", "steps")
+        for rank in (0, 1):
+            for other, what in ((ddp, "DDP"), (horovod, "Horovod")):
+                if run in other:
+                    _same(fsdp[run][rank], other[run][rank], f"{run} rank {rank}: FSDP2 vs {what}",
+                          keys)
+        assert fsdp[run][0]["rows"] == fsdp[run][1]["rows"], run  # the ranks agree exactly
+        if run in reference:
+            _same(fsdp[run][0], reference[run][0], f"{run}: FSDP2 vs the reference", keys)
+        if not measured:
+            assert all(1 <= row["gain"] <= fsdp[run][0]["scale"] and row["sigma2"] > 0
+                       for row in fsdp[run][0]["rows"]), run
+    for run in ("clip synchronize", "clip unsynchronized"):
+        np.testing.assert_allclose([row["clip_norm"] for row in fsdp[run][0]["rows"]],
+                                   [row["clip_norm"] for row in reference["clip"][0]["rows"]],
+                                   rtol=RTOL, err_msg=f"{run}: the norm clip_grad_norm_ saw")
+    workers, passes = fsdp["adascale/k=4"][0]["rows"], fsdp["adascale/k=4/passes"][0]["rows"]
+    assert all(a["sigma2"] != pytest.approx(b["sigma2"], rel=1e-3)
+               for a, b in zip(workers, passes))
 
 
 CLIPPED = ("clip synchronize", "clip scaler")

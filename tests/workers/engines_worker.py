@@ -1,5 +1,5 @@
-"""One training script, three ways: under Horovod (``horovodrun -np 2``), under torch.distributed
-(``torchrun --nproc-per-node 2``, DDP) and in one process (``--engine reference``: the engine's
+"""One training script, four ways: under Horovod (``horovodrun -np 2``), under torch.distributed
+(``torchrun --nproc-per-node 2``, DDP or FSDP2's ``fully_shard``) and in one process (``--engine reference``: the engine's
 own functions over the same micro-gradients, computed one after the other). tests/test_ddp.py
 compares them per step.
 
@@ -21,7 +21,7 @@ under DDP also PyTorch's own idiom without ``synchronize()``; the reference clip
 micro-gradient (run "clip").
 
     horovodrun --gloo -np 2 -H localhost:2 python engines_worker.py --engine horovod
-    torchrun --nproc-per-node 2 engines_worker.py --engine ddp
+    torchrun --nproc-per-node 2 engines_worker.py --engine ddp    # or --engine fsdp
     python engines_worker.py --engine reference
 """
 
@@ -90,11 +90,12 @@ def row(opt):
 
 
 def weights(model):
-    return np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()]).tolist()
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return np.concatenate([p.detach().numpy().reshape(-1) for p in whole]).tolist()
 
 
 class Engine:
-    """Horovod's or DDP's: the model and optimizer, and one step of k passes."""
+    """Horovod's, DDP's or FSDP2's: the model and optimizer, and one step of k passes."""
 
     def __init__(self, name):
         self.name = name
@@ -116,6 +117,17 @@ class Engine:
                                        backward_passes_per_step=k, budget=BUDGET, samples=samples,
                                        grad_scaler=scaler)
             return model, model, opt
+        if self.name == "fsdp":  # the first layer a unit of its own, the rest the root's
+            from torch.distributed.fsdp import fully_shard
+
+            from hvd_scale.adapters.torch.fsdp import DistributedOptimizer
+            fully_shard(model[0])
+            fully_shard(model)
+            self.every_pass = samples == "passes"  # per-pass samples: a reduce-scatter each
+            opt = DistributedOptimizer(inner_optimizer(policy, model.parameters()), model,
+                                       policy=policy, backward_passes_per_step=k, budget=BUDGET,
+                                       samples=samples, grad_scaler=scaler)
+            return model, model, opt
         from torch.nn.parallel import DistributedDataParallel
 
         from hvd_scale.adapters.torch.ddp import DistributedOptimizer
@@ -125,11 +137,19 @@ class Engine:
                                    grad_scaler=scaler)
         return model, ddp, opt
 
+    def quiet(self, wrapped, j, k):
+        """The first k - 1 passes without gradient communication (DDP's no_sync, FSDP2's
+        set_requires_gradient_sync(False)); Horovod's passes never communicate."""
+        if self.name == "fsdp":
+            wrapped.set_requires_gradient_sync(j == k - 1 or self.every_pass)
+        elif self.name == "ddp" and j < k - 1:
+            return wrapped.no_sync()
+        return contextlib.nullcontext()
+
     def step(self, wrapped, opt, step, k):
         opt.zero_grad()
         for j in range(k):
-            quiet = wrapped.no_sync() if self.name == "ddp" and j < k - 1 else contextlib.nullcontext()
-            with quiet:
+            with self.quiet(wrapped, j, k):
                 loss_of(wrapped, self.rank, step, j).backward()
         opt.step()
 
@@ -137,15 +157,15 @@ class Engine:
         """One step of k passes clipped before the update: the norm clip_grad_norm_ saw."""
         opt.zero_grad()
         for j in range(k):
-            quiet = wrapped.no_sync() if self.name == "ddp" and j < k - 1 else contextlib.nullcontext()
-            with quiet:
+            with self.quiet(wrapped, j, k):
                 loss = loss_of(wrapped, self.rank, step, j)
                 (loss if scaler is None else scaler.scale(loss)).backward()
         if synchronize:
             opt.synchronize()
         if scaler is not None:
             scaler.unscale_(opt)
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2's
         if scaler is None:
             opt.step()
         else:
@@ -167,6 +187,8 @@ def runs():
 def run_engine(name, save, resume):
     engine = Engine(name)
     for run, policy, k, samples in runs():
+        if name == "fsdp" and policy == "adascale_adam":
+            continue  # refused under FSDP2 (Adam's second moment is sharded): tests/test_fsdp.py
         model, wrapped, opt = engine.build(policy, k, samples)
         rows = []
         for step in range(ADAM_STEPS if policy == "adascale_adam" else STEPS):
@@ -175,7 +197,7 @@ def run_engine(name, save, resume):
         emit_result({"rank": engine.rank, "engine": name, "run": run,
                      "scale": opt.scale, "rows": rows, "weights": weights(model)})
     for run, scaled, synchronize in CLIP_RUNS:
-        if name == "horovod" and not synchronize:
+        if name == "horovod" and not synchronize or name == "fsdp" and scaled:
             continue  # Horovod averages the gradients in synchronize(): clipping needs it
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000) \
             if scaled else None
@@ -259,7 +281,7 @@ def run_reference():
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", choices=["horovod", "ddp", "reference"], required=True)
+    parser.add_argument("--engine", choices=["horovod", "ddp", "fsdp", "reference"], required=True)
     parser.add_argument("--save", help="folder: save a checkpoint after step 3 there")
     parser.add_argument("--resume", help="a checkpoint to resume from (the other engine's)")
     args = parser.parse_args()
