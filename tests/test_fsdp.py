@@ -38,7 +38,14 @@ def fsdp():
 
 @pytest.fixture(scope="module")
 def hsdp():
-    return _by_run(worker_results(run_torchrun([str(WORKER), "--hsdp"], nproc=4, timeout=420)))
+    return _by_run(worker_results(run_torchrun([str(WORKER), "--layout", "hsdp"], nproc=4,
+                                                 timeout=420)))
+
+
+@pytest.fixture(scope="module")
+def alone():
+    return _by_run(worker_results(run_torchrun([str(WORKER), "--layout", "alone"], nproc=1,
+                                               timeout=300)))
 
 
 def _same_as_reference(got, what):
@@ -79,7 +86,7 @@ def test_fsdp1_is_refused_for_fsdp2():
 @pytest.mark.timeout(900)
 def test_every_run_matches_the_one_process_reference(fsdp):
     runs = sorted(r for r in fsdp if "/k=" in r)
-    assert len(runs) == 10, runs
+    assert len(runs) == 13, runs
     for run in runs:
         for rank in (0, 1):
             _same_as_reference(fsdp[run][rank], f"{run} rank {rank}")
@@ -94,6 +101,36 @@ def test_every_run_matches_the_one_process_reference(fsdp):
     assert {v[1:3] == [8.0, 2.0] for v in workers} == {True}
     assert {v[1:3] == [8.0, 8.0] for v in passes} == {True}
     assert all(a[0] != pytest.approx(b[0], rel=1e-3) for a, b in zip(workers, passes))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("variant", ["checkpointed", "compiled"])
+def test_activation_checkpointing_and_compiled_blocks(fsdp, variant):
+    """A block under non-reentrant activation checkpointing, or each block compiled
+    (``module.compile``, aot_eager: no C compiler needed) before sharding, at k = 2: the same
+    steps as the reference (checked with every run above), and as the plain model's."""
+    got = fsdp[f"adascale/k=2/workers/{variant}"][0]
+    plain = fsdp["adascale/k=2/workers/clipped"][0]
+    np.testing.assert_allclose(got["vectors"], plain["vectors"], rtol=RTOL)
+    assert len(got["rows"]) == 6 and got["rows"][-1]["gain"] > 1
+
+
+@pytest.mark.timeout(900)
+def test_p_grad_is_the_mean_micro_gradient_after_backward(fsdp):
+    """Between the last backward pass and ``step()`` (where clipping runs), p.grad's squared norm
+    over all shards is |g_bar|^2 of the mean micro-gradient (k = 2), not k^2 times it."""
+    got = fsdp["adascale/k=2/workers/clipped"][0]
+    q = [v[3] for v in got["reference"]["vectors"]]
+    np.testing.assert_allclose(got["seen"], q, rtol=RTOL)
+
+
+@pytest.mark.timeout(600)
+def test_one_process_mesh(alone):
+    """A mesh of one (resuming a job at W = 1): FSDP2 runs no reduce-scatter there, and its
+    all-reduce hook is read instead; every pass read (k = 4), as the reference."""
+    for run in ("adascale/k=1/passes", "adascale/k=4/passes"):
+        _same_as_reference(alone[run][0], f"one process {run}")
+    assert alone["adascale/k=4/passes"][0]["scale"] == 4.0
 
 
 @pytest.mark.timeout(900)

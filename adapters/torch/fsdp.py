@@ -121,6 +121,11 @@ UNLAID_REFUSED = (
     "parameters: some got no gradient this pass, and with several optimizer parameter groups in "
     "the unit the statistic cannot tell which. Call model.set_reduce_scatter_unused_params(True)")
 
+ALONE_HOOK_REFUSED = (
+    "hvd_scale: unit {unit!r} has an all-reduce hook (set_all_reduce_hook) on a mesh of one "
+    "process, where FSDP2 runs no reduce-scatter and hvd_scale reads the gradients in that hook. "
+    "Leave it unset at one process")
+
 REPLACED_REFUSED = (
     "hvd_scale: unit {unit!r}'s reduce-scatter is no longer hvd_scale's (set_custom_reduce_scatter, "
     "set_allocate_memory_from_process_group or set_symm_mem after DistributedOptimizer was built): "
@@ -180,8 +185,15 @@ class _MeasuringReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         engine = self._engine()
         if engine is not None:
-            engine.measure(self, input_tensor, group)
+            engine.measure(self, input_tensor, group.size())
         return self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
+
+    def alone(self, reduce_output: torch.Tensor) -> None:
+        """A mesh of one: FSDP2 runs no reduce-scatter (the input is copied to the output,
+        divided by nothing), and its all-reduce hook sees that output, the local gradient."""
+        engine = self._engine()
+        if engine is not None:
+            engine.measure(self, reduce_output, 1)
 
 
 class FSDPEngine:
@@ -229,6 +241,7 @@ class FSDPEngine:
             raise ValueError(MESH_REFUSED.format(what=f"the mesh has {size} of the job's "
                                                       f"{dist.get_world_size()} ranks"))
         self._group = None  # the default group: every rank of the mesh
+        self.alone = size == 1  # FSDP2 reduce-scatters nothing: its all-reduce hook measures
         self._wrappers: list[_MeasuringReduceScatter] = []
         self._units: dict[int, Any] = {}
         self._handles: list = []
@@ -254,6 +267,10 @@ class FSDPEngine:
                 for pg in _state_groups(unit):
                     wrapper = _MeasuringReduceScatter(self, name, pg, pg._reduce_scatter_comm)
                     unit.set_custom_reduce_scatter(wrapper)  # one FSDP group per unit (checked)
+                    if self.alone:
+                        if pg._all_reduce_hook is not None:
+                            raise ValueError(ALONE_HOOK_REFUSED.format(unit=name))
+                        unit.set_all_reduce_hook(wrapper.alone)
                     self._wrappers.append(wrapper)
                     self._units[id(wrapper)] = unit
             layouts = {}
@@ -273,6 +290,8 @@ class FSDPEngine:
         for wrapper in self._wrappers:
             if wrapper.param_group._reduce_scatter_comm is wrapper:
                 self._units[id(wrapper)].set_custom_reduce_scatter(wrapper.inner)
+            if wrapper.param_group._all_reduce_hook == wrapper.alone:
+                wrapper.param_group._all_reduce_hook = None
         self._wrappers = []
         for handle in self._handles:
             handle.remove()
@@ -317,7 +336,7 @@ class FSDPEngine:
         if due:
             self.synchronize()
 
-    def measure(self, wrapper: _MeasuringReduceScatter, flat: torch.Tensor, group) -> None:
+    def measure(self, wrapper: _MeasuringReduceScatter, flat: torch.Tensor, world: int) -> None:
         """A unit's reduce-scatter input: this worker's gradient of the unit (this pass's, or
         the sum of its passes), its norms per group kept for the step's statistics."""
         statistics = self.statistics
@@ -336,13 +355,13 @@ class FSDPEngine:
         wrapper.calls += 1
         self._reduced_in_pass = True
         statistics.step.fired_total += 1
-        found = self._layouts[id(wrapper)].norms(flat, group.size())
+        found = self._layouts[id(wrapper)].norms(flat, world)
         if found is None:
             layout = self._layouts[id(wrapper)]
             raise ValueError(UNLAID_REFUSED.format(unit=wrapper.unit, got=flat.numel(),
-                                                   want=layout.row * group.size()))
+                                                   want=layout.row * world))
         params, found = found
-        pre = _predivide(pg, flat.dtype, flat.device)
+        pre = 1.0 if world == 1 else _predivide(pg, flat.dtype, flat.device)
         statistics.keep_norms(params, found * pre if pre != 1.0 else found)
 
     def _check_reads(self, passes: int) -> None:

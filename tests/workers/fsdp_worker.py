@@ -40,8 +40,24 @@ def mesh_of(hsdp: bool):
     return init_device_mesh("cpu", (world,))
 
 
-def sharded(mesh, dtype=torch.float64, reduce_dtype=None):
+class Checkpointed(torch.nn.Module):
+    """A block whose activations are recomputed in backward (non-reentrant checkpointing)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def sharded(mesh, dtype=torch.float64, reduce_dtype=None, variant=""):
     model = new_model().to(dtype)
+    if variant == "checkpointed":
+        model[0] = Checkpointed(model[0])
+    elif variant == "compiled":  # torchtitan's way: each block compiled, then sharded
+        model[0].compile(backend="aot_eager")
+        model[2].compile(backend="aot_eager")
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype is not None else MixedPrecisionPolicy()
     fully_shard(model[0], mesh=mesh, mp_policy=mp)
     fully_shard(model[2], mesh=mesh, mp_policy=mp)
@@ -72,10 +88,10 @@ def row(opt):
             "sigma2": opt.sigma2, "mu2": opt.mu2, "steps": opt.steps}
 
 
-def build(mesh, policy, k, samples, groups=1, dtype=torch.float64, reduce_dtype=None):
+def build(mesh, policy, k, samples, groups=1, dtype=torch.float64, reduce_dtype=None, variant=""):
     from hvd_scale.adapters.torch.fsdp import DistributedOptimizer
 
-    model = sharded(mesh, dtype, reduce_dtype)
+    model = sharded(mesh, dtype, reduce_dtype, variant)
     opt = DistributedOptimizer(torch.optim.SGD(param_groups(model, groups), lr=LR), model,
                                policy=policy, backward_passes_per_step=k, budget=BUDGET,
                                samples=samples)
@@ -89,7 +105,9 @@ def build(mesh, policy, k, samples, groups=1, dtype=torch.float64, reduce_dtype=
     return model, opt, vectors
 
 
-def train_step(model, opt, rank, step, k, mode, dtype=torch.float64):
+def train_step(model, opt, rank, step, k, mode, dtype=torch.float64, seen=None):
+    """k passes and the step; ``seen``: |p.grad|^2 over the whole model before ``step()`` (what
+    clipping there would see: the mean micro-gradient's) appended to it."""
     opt.zero_grad()
     for j in range(k):
         if mode == "workers":
@@ -98,6 +116,8 @@ def train_step(model, opt, rank, step, k, mode, dtype=torch.float64):
             _loss32(model, rank, step, j)
         loss.backward()
     model.set_requires_gradient_sync(True)
+    if seen is not None:
+        seen.append(float(sum(p.grad.full_tensor().square().sum() for p in model.parameters())))
     opt.step()
 
 
@@ -151,18 +171,25 @@ def reference(policy_spec, k, mode, workers, groups=1, dtype=torch.float64, step
     return {"rows": rows, "vectors": vectors, "weights": weights}
 
 
-def runs(hsdp):
-    if hsdp:
+def runs(layout):
+    """(run, policy, k, samples, groups, variant)."""
+    if layout == "hsdp":
         for k in (1, 4):
             for mode in MODES:
-                yield f"adascale/k={k}/{mode}", "adascale", k, mode, 1
+                yield f"adascale/k={k}/{mode}", "adascale", k, mode, 1, ""
+        return
+    if layout == "alone":  # one process: every pass read (one worker has no variance)
+        for k in (1, 4):
+            yield f"adascale/k={k}/passes", "adascale", k, "passes", 1, ""
         return
     for policy in ("adascale", "linear"):
         for k in (1, 4):
             for mode in MODES:
-                yield f"{policy}/k={k}/{mode}", policy, k, mode, 1
+                yield f"{policy}/k={k}/{mode}", policy, k, mode, 1, ""
     for mode in MODES:
-        yield f"adascale/k=4/{mode}/groups", "adascale", 4, mode, 2
+        yield f"adascale/k=4/{mode}/groups", "adascale", 4, mode, 2, ""
+    for variant in ("checkpointed", "compiled", "clipped"):
+        yield f"adascale/k=2/workers/{variant}", "adascale", 2, "workers", 1, variant
 
 
 class Counted:
@@ -187,30 +214,31 @@ class Counted:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hsdp", action="store_true")
+    parser.add_argument("--layout", choices=("fsdp", "hsdp", "alone"), default="fsdp")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = mesh_of(args.hsdp)
-    for run, policy, k, mode, groups in runs(args.hsdp):
-        model, opt, vectors = build(mesh, policy, k, mode, groups)
-        rows = []
+    mesh = mesh_of(args.layout == "hsdp")
+    for run, policy, k, mode, groups, variant in runs(args.layout):
+        model, opt, vectors = build(mesh, policy, k, mode, groups,
+                                    variant="" if variant == "clipped" else variant)
+        rows, seen = [], [] if variant == "clipped" else None
         counted = Counted(["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
                            "broadcast", "all_gather"]) if run.startswith("adascale/k=4") else None
         try:
             for step in range(STEPS):
-                train_step(model, opt, rank, step, k, mode)
+                train_step(model, opt, rank, step, k, mode, seen=seen)
                 rows.append(row(opt))
         finally:
             if counted is not None:
                 counted.close()
         emit_result({"rank": rank, "run": run, "scale": opt.scale, "rows": rows,
                      "vectors": vectors, "weights": full_weights(model),
-                     "collectives": None if counted is None else counted.calls,
+                     "collectives": None if counted is None else counted.calls, "seen": seen,
                      "reference": reference(policy, k, mode, world, groups)})
         del model, opt
-    if not args.hsdp:
+    if args.layout == "fsdp":
         for reduce_dtype in (torch.float16, torch.bfloat16):
             name = str(reduce_dtype).rpartition(".")[2]
             model, opt, vectors = build(mesh, "adascale", 2, "workers", 2, torch.float32, reduce_dtype)
