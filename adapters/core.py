@@ -138,6 +138,22 @@ class Framework:
     agreed: Mapping[str, Any] | None = None
 
 
+class HeldRecord:
+    """Where ``Scaling`` keeps the run's one record: here, in Python (the torch adapters). An
+    adapter whose framework keeps a run's state in its own variables hands ``Scaling`` another
+    holder with these two methods (``Scaling.hold``; Keras: the optimizer variable
+    ``hvd_scale_state``, read on demand), so that no second copy exists to disagree with it."""
+
+    def __init__(self, run: RunState):
+        self._run = run
+
+    def get(self) -> RunState:
+        return self._run
+
+    def set(self, run: RunState) -> None:
+        self._run = run
+
+
 class Scaling:
     """A policy run by an adapter: set-up checks, the host side of each step, logs and the run's
     record (``hvd_scale.run.RunState``: the one value a step changes, replaced each step by the
@@ -210,12 +226,11 @@ class Scaling:
         self.setup = runs.Setup(policy=built, groups=framework.groups, nonfinite=request.nonfinite,
                                 short_steps=framework.short_steps,
                                 eps_placement=framework.eps_placement,
-                                max_passes=adaptation.max_passes,
-                                min_passes=adaptation.min_passes, samples=samples)
+                                max_passes=adaptation.max_passes, samples=samples)
         # Decided alike on every rank (compared above): the statistics allreduce must run on all
         # of them or none.
-        self.run = runs.start(self.setup, scale=float(scale), passes=passes, workers=hvd.size(),
-                              measure=measured(built))
+        self._record = HeldRecord(runs.start(self.setup, scale=float(scale), passes=passes,
+                                             workers=hvd.size(), measure=measured(built)))
         self.logger = None if log_dir is None else MetricsLogger(
             log_dir, rank=hvd.rank, budget=built.budget,  # rank 0 of the moment writes
             run_info={"policy": built.spec, "scale": self.run.scale,
@@ -223,13 +238,23 @@ class Scaling:
                       "optimizer": framework.optimizer_name, "framework": framework.name},
             every=request.log_every)
         self._state_agreed = False  # agree_on_state() ran
-        # (the record a short step left, its S): the readouts' S while that record is held.
-        self._short: tuple[RunState, float] | None = None
-        self.zero_gradients_at: int | None = None  # the first step whose gradients were all zero
+        # The first step whose gradients were all zero: what the log noted and rank 0 said, once
+        # per process (a note, not the run's: a resumed job says it again if it happens again).
+        self.zero_gradients_at: int | None = None
         if hvd.rank() == 0:  # what runs, said once: the policy is often chosen by a flag
             print(self.start_line(log_dir), file=sys.stderr, flush=True)
 
-    # -- the run's record, read --------------------------------------------------------------------
+    # -- the run's record --------------------------------------------------------------------------
+    run = property(lambda self: self._record.get(),
+                   lambda self, run: self._record.set(run),
+                   doc="the run's one record (``hvd_scale.run.RunState``), from its holder")
+
+    def hold(self, record) -> None:
+        """Keep the run's record in ``record`` from now on (``HeldRecord``'s ``get`` and ``set``;
+        Keras: its variable); it is given the record held so far."""
+        record.set(self.run)
+        self._record = record
+
     @property
     def policy(self) -> Policy:
         """The policy's configuration (spec, statistics, horizons): fixed for the run."""
@@ -243,16 +268,17 @@ class Scaling:
         """"workers" or "passes": what a step's statistics read at W = ``workers`` (default the
         world size now, which a resize may have changed before the record sees it at the next
         step): ``hvd_scale.run.reads``."""
-        return runs.reads(self.setup, self.run, self.hvd.size() if workers is None else workers)
+        # W given, no record read: a traced Keras step asks this where its record is a tensor.
+        return runs.reads(self.setup, None, self.hvd.size() if workers is None else workers)
 
     samples = property(reads, doc="what this step's statistics read at the world size now")
 
     @property
     def step_scale(self) -> float:
-        """The latest step's S: the run's, or a short step's own (S x n / (W k)) while the record
-        that step left is the one held (a later step, relayout or restore replaces it)."""
-        short = self._short
-        return short[1] if short is not None and short[0] is self.run else self.run.scale
+        """The latest step's S: the run's, or a short step's own (S x n / (W k), the record's
+        ``short_scale``: a later step, relayout or restore clears it)."""
+        run = self.run
+        return run.scale if run.short_scale is None else run.short_scale
 
     def start_line(self, log_dir: str | None) -> str:
         policy, run = self.policy, self.run
@@ -278,20 +304,18 @@ class Scaling:
         (unmeasured: ``finite`` is the framework's verdict, ``count`` the micro-gradients it
         counted, None for workers x k). ``loss_scale``: the gradients were scaled by it."""
         workers = self.hvd.size()
-        guard = self.guard
+        guard, run = self.guard, self.run
         inputs = runs.StepInputs(
-            statistics=statistics if self.run.measure else None, finite=bool(finite),
+            statistics=statistics if run.measure else None, finite=bool(finite),
             user_settings=user_settings,
             loss_scale=None if loss_scale is None else float(loss_scale), workers=workers,
             count=None if count is None else int(count),
             max_lr=None if guard is None or math.isinf(guard.limit) else guard.limit)
-        self.run, plan, info = runs.host_step(self.setup, self.run, inputs,
-                                               self.framework.lr_names)
-        run = self.run
+        run, plan, info = runs.host_step(self.setup, run, inputs, self.framework.lr_names)
+        self.run = run  # read once and written once a step
         # The row of a short step holds its own S and passes (n / W), not the announced ones, and
-        # so do the readouts while the record it left is held (``step_scale``).
+        # so do the readouts until the next step (the record's ``short_scale``: ``step_scale``).
         scale = run.scale if info is None else info.scale
-        self._short = (run, scale) if scale != run.scale else None
         self._timing = self.clock.lap(run.passes * scale / run.scale, workers)
         if info is not None and statistics is not None and run.measure \
                 and self.zero_gradients_at is None \
@@ -362,10 +386,6 @@ class Scaling:
     def adapt(self) -> str | None:
         """"goodput" when k adapts, else None."""
         return self.adaptation.adapt
-
-    @property
-    def max_passes(self) -> int | None:
-        return self.adaptation.max_passes
 
     def adapted_passes(self) -> int:
         """adapt="goodput": every ``adapt_every`` steps, the k of largest predicted goodput

@@ -6,7 +6,7 @@
                  latest step applied, the noise scale's record (``hvd_scale.noise.NoiseState``);
                  one dict form and one vector form, each with its version
     Setup        what no step changes: the policy (a rule and its options), the parameter groups,
-                 what a non-finite step does, whether short steps can happen, adapt's bounds,
+                 what a non-finite step does, whether short steps can happen, adapt's largest k,
                  what the statistics were asked to read (``samples=``)
     reads        (setup, run) -> "workers" | "passes": what a step's statistics read at the
                  record's layout (derived, never held: it follows W at every change)
@@ -14,9 +14,22 @@
     relayout     (setup, run, passes=, workers=, scale=) -> run: a change of k or S
     restored     (setup, run, saved) -> run: a saved or broadcast record taken into this job
 
-Every adapter holds one ``RunState`` (torch in Python, Keras in one optimizer variable, its
-vector) and replaces it with what these functions return; nothing else holds a run's state, so
-a checkpoint, a broadcast or an elastic sync cannot restore half of it.
+Every adapter holds one ``RunState`` (torch in Python, ``adapters.core.HeldRecord``; Keras in
+one optimizer variable only, its vector, every Python view read from it when asked) and replaces
+it with what these functions return, so a checkpoint, a broadcast or an elastic sync cannot
+restore half of it. Three other things hold values a run produces, none of which is the record's
+to carry:
+
+    the lr guard's estimate   ``hvd_scale.guard.SharpnessGuard`` (torch, optional): saved and
+                              broadcast beside the record (the optimizer's state_dict "guard",
+                              ``Scaling.broadcast``), so the record's forms stay the same with
+                              or without a guard
+    the step clock's timings  ``adapters.adapt.StepClock``: this process's step times, for the
+                              log and adapt="goodput"; never saved: a resumed or resized job
+                              times its own machines before adapt chooses
+    the engines' copies of k  the torch engines' hooks count passes against k without reading
+                              the record; the optimizer sets them from the record at every
+                              change of k (``set_passes``, a restore)
 
 S is the step's batch over the baseline batch: S = u W k for W workers of k micro-batches, with u
 = S / (W k) the baseline batches per micro-batch, fixed by the set-up (``scale=``). A change of W
@@ -118,6 +131,10 @@ class RunState:
     skips_in_a_row: int = 0
     last_lr: float = math.nan  # the lr the latest applied step used (nan: none yet)
     noise: NoiseState = dataclasses.field(default_factory=NoiseState)  # noise scale's interval
+    # The latest step's own S where it was short (u n < S; None: a full step's, S), for that
+    # step's readouts: the next step, a skip, a change of layout and a restore clear it, and no
+    # saved form holds it (a restored run's latest step is unknown).
+    short_scale: float | None = None
 
     @property
     def micro_gradients(self) -> int:
@@ -251,8 +268,7 @@ class Setup:
     nonfinite: str = "skip"
     short_steps: bool = False      # a step may count fewer micro-gradients than W x k
     eps_placement: str = EPS_CORRECTED
-    max_passes: int | None = None  # adapt="goodput": k in [min_passes, max_passes]
-    min_passes: int = 1
+    max_passes: int | None = None  # adapt="goodput": the largest k a restored record may hold
     samples: str = "auto"          # what the statistics were asked to read (``SAMPLES``)
 
     def __post_init__(self):
@@ -261,11 +277,11 @@ class Setup:
         check_samples(self.samples)
 
 
-def reads(setup: Setup, run: "RunState", workers: int | None = None) -> str:
+def reads(setup: Setup, run: "RunState | None", workers: int | None = None) -> str:
     """"workers" or "passes": what a step's statistics read at ``run``'s layout (W =
-    ``workers`` where given: an adapter deciding before the record has seen a resize). Derived
-    from the request and W, never held, so every change of layout (elastic, a resume, a
-    broadcast) switches it. At k = 1 both read the same."""
+    ``workers`` where given, and then ``run`` may be None: an adapter deciding before the record
+    has seen a resize). Derived from the request and W, never held, so every change of layout
+    (elastic, a resume, a broadcast) switches it. At k = 1 both read the same."""
     return samples_read(setup.samples, run.workers if workers is None else int(workers))
 
 
@@ -328,7 +344,7 @@ def relayout(setup: Setup, run: RunState, *, passes: int | None = None,
     changes = [f"{what} went from {a} to {b}{unit}" for what, a, b, unit in
                (("the job", run.workers, w, " worker(s)"), ("k", run.passes, k, " passes per step"))
                if a != b] or [f"S was set to {new_scale:g}"]
-    after = dataclasses.replace(run, scale=new_scale, passes=k, workers=w)
+    after = dataclasses.replace(run, scale=new_scale, passes=k, workers=w, short_scale=None)
     check_layout(setup, after, why=" and ".join(changes) +
                  f", which would take S from {run.scale:g} to {new_scale:g}: ")
     return after
@@ -350,7 +366,7 @@ def restored(setup: Setup, run: RunState, saved: RunState, *, take_passes: bool)
         raise ValueError(f"checkpoint has statistics for {groups} parameter group(s), this "
                          f"optimizer has {setup.groups}")
     taken = dataclasses.replace(run, policy=saved.policy, skips_in_a_row=saved.skips_in_a_row,
-                                last_lr=saved.last_lr, noise=saved.noise)
+                                last_lr=saved.last_lr, noise=saved.noise, short_scale=None)
     return relayout(setup, taken, passes=k)
 
 
@@ -393,7 +409,7 @@ def skipped(run: RunState) -> RunState:
     after ``DIVERGED_AFTER`` in a row: the run has diverged."""
     after = dataclasses.replace(
         run, policy=dataclasses.replace(run.policy, skipped=run.policy.skipped + 1),
-        skips_in_a_row=run.skips_in_a_row + 1)
+        skips_in_a_row=run.skips_in_a_row + 1, short_scale=None)
     if after.skips_in_a_row >= DIVERGED_AFTER:
         last = "no step has been applied since the optimizer was built" \
             if math.isnan(run.last_lr) else f"the last step applied had lr {run.last_lr:g}"
@@ -503,7 +519,8 @@ def host_step(setup: Setup, run: RunState, inputs: StepInputs,
     after = dataclasses.replace(run, policy=record, skips_in_a_row=0,
                                 last_lr=float(base_lr) * info.lr_factor,
                                 noise=advance_noise(run.noise, run.policy.estimator,
-                                                    record.estimator, policy.theta(scale)))
+                                                    record.estimator, policy.theta(scale)),
+                                short_scale=None if scale == run.scale else scale)
     plan[:, 0] = info.lr_factor
     plan[:, 1] = user[:, 0] * info.lr_factor
     if policy.moments_in_progress:

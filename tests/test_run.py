@@ -120,6 +120,25 @@ def test_an_unmeasured_short_step_counts_its_own_micro_gradients():
     assert (info.lr_factor, run.policy.progress) == (2.0, 3.0)
 
 
+def test_a_short_steps_own_s_is_in_the_record_until_the_next_step_or_change():
+    """A short step's own S (u n) is the record's (``RunState.short_scale``), not a holder beside
+    it (``Scaling._short`` was): the next full step, a skip, a relayout and a restore clear it,
+    and no saved form carries it."""
+    setup = setup_for("linear", short_steps=True)
+    run = runs.start(setup, scale=4, passes=2, workers=2, measure=False)
+    assert run.short_scale is None
+    short, _, info = runs.host_step(setup, run, StepInputs(None, True, user(), count=3))
+    assert short.short_scale == info.scale == 3.0 and short.scale == 4.0
+    assert "short_scale" not in short.to_dict(setup)
+    assert runs.RunState.from_dict(short.to_dict(setup), setup).short_scale is None
+    assert runs.RunState.from_vector(short.to_vector(setup), setup).short_scale is None
+    full, _, _ = runs.host_step(setup, short, StepInputs(None, True, user(t=2)))
+    assert full.short_scale is None
+    assert runs.skipped(short).short_scale is None
+    assert runs.relayout(setup, short, workers=4).short_scale is None
+    assert runs.restored(setup, short, short, take_passes=False).short_scale is None
+
+
 def test_a_short_step_of_one_micro_gradient_takes_the_gain_from_the_estimates():
     """#47 item 5: a step of one pass at S > 1 raised 'n = 1 micro-gradients give no variance
     estimate'; its gain at its own S comes from the estimates so far."""

@@ -23,8 +23,9 @@ class ElasticState(ObjectState):
     slots, ``iterations`` and ``hvd_scale_state``: steps, tau and the gain estimates) to host
     memory; after a failure ``restore()`` puts them back, and after a resize ``sync()``
     broadcasts them from rank 0 (how a joining worker gets tau and the weights). S follows the
-    new world size at the next step (``hvd_scale.run.relayout``, in the host step), and so does
-    what the statistics read (each worker's sum from two workers on, every ``apply`` at one:
+    new world size (``hvd_scale.run.relayout``: the optimizer's values read the variable at the
+    world size now; a layout that cannot run is refused by the next step), and so does what the
+    statistics read (each worker's sum from two workers on, every ``apply`` at one:
     the traced step reads the world size when it runs, ``DistributedOptimizer._reads_passes``).
     """
 

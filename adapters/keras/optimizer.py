@@ -13,10 +13,11 @@ operation in ``hvd_scale.adapters.core``. What this module does:
 * the step runs the shared sequence (``core.run_step``), its host part (``core.Scaling.plan``)
   under TensorFlow through ``tf.numpy_function``. The run's record is the optimizer variable
   ``hvd_scale_state`` (``hvd_scale.run.RunState``'s vector, with its version: the policy's
-  state, S, k, the skips, the last lr), so ``model.save``, ``tf.train.Checkpoint``,
-  ``broadcast_state`` and elastic syncs carry all of it: each step's host part starts from the
-  variable's value and hands the new one back, and reading ``policy`` gives a view of it,
-  changing nothing;
+  state, S, k, the skips, the last lr) and nothing else, as Keras's LossScaleOptimizer keeps
+  its scale (``VariableRecord``): ``model.save``, ``tf.train.Checkpoint``, ``broadcast_state``
+  and elastic syncs carry all of it; each step's host part is handed the variable's value and
+  hands the new one back, which the step assigns; every Python view (``run_state``,
+  ``metrics()``, ``steps``, ...) is read from the variable when asked;
 * the step's lr is ``lr(floor(tau)) x factor``: the inner optimizer sees this value for the one
   ``apply`` call and nothing is written to the user's lr variable or ``LearningRateSchedule``;
 * when the metrics are logged or k adapts, the step clock (``adapters.adapt.StepClock``) is
@@ -27,6 +28,8 @@ operation in ``hvd_scale.adapters.core``. What this module does:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -42,7 +45,8 @@ from hvd_scale.adapters.core import (PLAN, USER_SETTINGS, Framework, Readout, Re
                                     precondition, run_step)
 from hvd_scale.moments import EPS_RAW, bias_correction, moment_progress
 from hvd_scale.policies import Policy
-from hvd_scale.reduce import step_vector_size, wire_copies, wire_sums
+from hvd_scale.reduce import StepRecord, step_vector_size
+from hvd_scale import run as runs
 from hvd_scale.run import PASSES_INDEX, PROGRESS_INDEX, STEPS_INDEX, RunState, migrate_vector
 
 from . import backends
@@ -104,6 +108,85 @@ _HOROVOD_ARGS = {
     **{arg: "not supported in Keras" for arg in ("device_dense", "device_sparse", "num_groups",
                                                  "scale_local_gradients")},
 }
+
+
+class VariableRecord:
+    """``core.Scaling``'s holder of the run's record for Keras (``core.HeldRecord``'s ``get`` and
+    ``set``): the optimizer variable ``hvd_scale_state``, read and written eagerly, with no copy
+    beside it. Before the variable exists (the optimizer is built at its first ``apply``) the
+    record is the one ``Scaling`` started, which ``build`` puts in the variable; inside a step's
+    host call (``handed``) it is the variable's value that call was given, and what the call
+    hands back, which the step assigns.
+
+    ``asked``: the layout this job asks for (S per micro-batch, k, whether statistics are taken:
+    the set-up's, S as ``rescale`` last set it), which no step changes. A record is read from the
+    variable as this job would hold it (``view``: ``hvd_scale.run.restored``), since
+    ``tf.train.Checkpoint``, a broadcast or an elastic restore may have put there a record
+    saved at another layout; and the traced step reads k (where fixed) and ``measure`` here,
+    where the variable is a tensor."""
+
+    def __init__(self, optimizer: "DistributedOptimizer", start: RunState):
+        self._optimizer = optimizer
+        self.asked = start
+        self._variable = None  # hvd_scale_state, once built
+        self._handed: list | None = None  # [record] inside a host call
+
+    def bind(self, variable) -> None:
+        """The variable ``build`` created, with the record held so far as its value."""
+        self._variable = variable
+
+    def view(self, vector) -> RunState:
+        """The record a vector of ``hvd_scale_state`` holds, as this job holds it: its policy
+        record, skips, last lr and (adapt) k, at the asked S per micro-batch and, where that
+        layout can run, at the world size now (else the next step refuses the resize, alike on
+        every rank). ValueError for a record this optimizer cannot take, naming why."""
+        scaling = self._optimizer.scaling
+        setup, asked = scaling.setup, self.asked
+        saved = RunState.from_vector(vector, setup)
+        workers = saved.workers or asked.workers
+        base = dataclasses.replace(asked, workers=workers,
+                                   scale=asked.unit * workers * asked.passes)
+        run = runs.restored(setup, base, saved, take_passes=scaling.adapt is not None)
+        size = scaling.hvd.size()
+        if run.workers != size:
+            try:
+                run = runs.relayout(setup, run, workers=size)
+            except ValueError:
+                pass  # refused by the step (hvd_scale.run.host_step), before anything applies
+        return run
+
+    def get(self) -> RunState:
+        if self._handed is not None:
+            return self._handed[0]
+        if self._variable is None:
+            return self.asked
+        if not self._optimizer._backend.eager():
+            raise RuntimeError("hvd_scale: the run's record (hvd_scale_state) is read eagerly, "
+                               "not inside a traced function")
+        return self.view(ops.convert_to_numpy(self._variable.value))
+
+    def set(self, run: RunState) -> None:
+        if self._handed is not None:
+            self._handed[0] = run
+            return
+        if self._variable is None:
+            self.asked = run
+            return
+        # S per micro-batch is what rescale(S) sets; the other writes keep it.
+        self.asked = dataclasses.replace(self.asked, scale=run.unit * self.asked.micro_gradients)
+        self._variable.assign(ops.convert_to_tensor(run.to_vector(self._optimizer.scaling.setup),
+                                                    "float64"))
+
+    @contextlib.contextmanager
+    def handed(self, vector):
+        """Inside a step's host call: the record is the variable's value the call was given
+        (``view``); what the call sets replaces it in the list yielded, for the call to hand
+        back. Nothing is held after the call."""
+        self._handed = handed = [self.view(vector)]
+        try:
+            yield handed
+        finally:
+            self._handed = None
 
 
 @keras.saving.register_keras_serializable(package="hvd_scale", name="DistributedOptimizer")
@@ -192,6 +275,8 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         self.optimizer_name = optimizer_name
         self.scaling = scaling
         self._backend = backend
+        self._record = VariableRecord(self, scaling.run)
+        scaling.hold(self._record)  # the run's one record: hvd_scale_state once built
         self._config = {"backward_passes_per_step": backward_passes_per_step, "scale": scale,
                         "budget": budget, "measure": measure, "nonfinite": nonfinite,
                         **({"adapt": adapt, "max_passes": max_passes, "adapt_every": adapt_every}
@@ -208,6 +293,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         self._state = self.add_variable(
             shape=initial.shape, dtype="float64", aggregation="none", name="hvd_scale_state",
             initializer=lambda shape, dtype=None: ops.convert_to_tensor(initial, "float64"))
+        self._record.bind(self._state)
         self._accumulators = []
         if self._accumulating:
             self._micro_steps = self.add_variable(shape=(), dtype="int32", aggregation="none",
@@ -250,7 +336,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         variables = [v for _, v in pairs]
         with keras.name_scope(self.name, caller=self):
             if not self._accumulating:
-                local = self._sqnorm_of(grads, variables) if self.scaling.measure else None
+                local = self._sqnorm_of(grads, variables) if self._measure else None
                 self._step(grads, variables, local, 1.0)
             else:
                 self._accumulate(grads, variables)
@@ -287,7 +373,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             local = None
             if per_pass is True:
                 local = ops.convert_to_tensor(self._local_sqnorm.value)
-            elif self.scaling.measure:  # the sum G of the passes, read once: |G|^2 / c
+            elif self._measure:  # the sum G of the passes, read once: |G|^2 / c
                 local = ops.cast(self._sqnorm_of(summed, variables), "float64") / count
                 if per_pass is not False:  # elastic: one worker left reads its passes
                     local = ops.where(per_pass, ops.convert_to_tensor(self._local_sqnorm.value),
@@ -303,39 +389,36 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
     def _reads_follow_world_size(self) -> bool:
         """What the statistics read is decided when the step runs (Horovod elastic: W changes
         under a traced step), unless every pass is read anyway."""
-        return self.scaling.measure and self.scaling.framework.elastic \
+        return self._measure and self.scaling.framework.elastic \
             and self.scaling.setup.samples != "passes"
 
     def _reads_passes(self):
         """This step's statistics read every apply's gradient (else each worker's sum once):
         ``hvd_scale.run.reads``, a Python bool where W is fixed, under Horovod elastic the
         world size when the step runs (a boolean tensor in a traced step)."""
-        if not self.scaling.measure:
+        if not self._measure:
             return False
         if self._reads_follow_world_size():
             return self._backend.world_size() < 2
         return self.scaling.reads() == "passes"
 
     def _passes_now(self):
-        """k for the step being traced: the record's with adapt (it changes between steps)."""
+        """k for the step being traced: the record's with adapt (it changes between steps),
+        else the one asked (fixed)."""
         if self.scaling.adapt is None:
-            return self.scaling.passes
+            return self._record.asked.passes
         return ops.cast(self._state.value[PASSES_INDEX], "int32")
+
+    @property
+    def _measure(self) -> bool:
+        """Statistics are taken: fixed by the set-up (read where the step is traced)."""
+        return self._record.asked.measure
 
     # -- adapt="goodput" and k ---------------------------------------------------------------------
     @property
     def backward_passes_per_step(self) -> int:
         """k, the apply calls per optimizer step now (adapt="goodput" and ``set_passes`` change it)."""
-        self._follow_variable()
         return self.scaling.passes
-
-    def _follow_variable(self) -> None:
-        """Eagerly: the host's record takes the variable's (a checkpoint, a broadcast or an
-        elastic sync may have restored it; ``Scaling.restored``: this job's workers and S per
-        micro-batch, the saved k where k adapts)."""
-        if self.built and self._backend.eager():
-            self.scaling.run = self.scaling.restored(
-                RunState.from_vector(ops.convert_to_numpy(self._state.value), self.scaling.setup))
 
     def _mid_step(self) -> bool:
         return self._accumulating and self.built and \
@@ -352,16 +435,12 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
                              "max_passes=K to change k while training)")
         if not self._backend.eager():
             raise RuntimeError("set_passes() runs eagerly, between steps, not inside a tf.function")
-        self._follow_variable()
         if k == self.scaling.passes:
             return
         if self._mid_step():
             raise RuntimeError("set_passes() between apply calls of a step: call it after the "
                                "step's last apply and before the next step's first")
-        run = self.scaling.relaid(k)  # refused here, before anything changes, if it cannot run
-        if self.built:
-            self._state.assign(ops.convert_to_tensor(run.to_vector(self.scaling.setup), "float64"))
-        self.scaling.run = run
+        self.scaling.set_passes(k)  # refused before anything changes if it cannot run
 
     def adapt_passes(self) -> int:
         """adapt="goodput": call after each optimizer step, eagerly, on every rank (under ``fit``
@@ -370,7 +449,6 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         broadcast). Once per step; returns k."""
         if self.scaling.adapt is None or self._mid_step():
             return self.scaling.passes
-        self._follow_variable()
         steps = self.scaling.run.policy.steps
         if steps != self._adapted_at:
             self._adapted_at = steps
@@ -404,17 +482,17 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         handed on as (mean gradients, variables)."""
         local_grads, variables, local_sqnorm, count = step
         tensors = list(local_grads)
-        measure = self.scaling.measure
+        measure = self._measure
         if measure:
             float64 = any(keras.backend.standardize_dtype(g.dtype) == "float64" for g in tensors)
             count = ops.cast(count, "float64")
             per_pass = self._reads_passes() if self._accumulating else True  # k = 1: alike
             samples = count if per_pass is True else ops.ones_like(count) if per_pass is False \
                 else ops.where(per_pass, count, ops.ones_like(count))
-            local = ops.stack([ops.cast(local_sqnorm, "float64"), count, samples])
-            # Three copies of the sum (hvd_scale.reduce: the wire), then [c, w].
-            tensors.append(ops.cast(ops.concatenate([*wire_copies(local[:1]), local[1:]]),
-                                    "float64" if float64 else "float32"))
+            local = StepRecord(ops.reshape(ops.cast(local_sqnorm, "float64"), (GROUPS,)), count,
+                               samples)
+            # Three copies of the sum, then [c, w] (hvd_scale.reduce: the wire).
+            tensors.append(ops.cast(local.to_wire(ops), "float64" if float64 else "float32"))
         # The passes are over once the local gradients (and statistics) exist: the wait starts.
         waiting = self._backend.stamp(self.scaling.clock.waiting, tensors) \
             if self.scaling.timings_read else None
@@ -428,11 +506,11 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             # cost twice the ops): the squared norm is finite when every element is (a square
             # overflowing float32 is skipped too, as a measured step's statistics would be).
             return step, None, ops.isfinite(self._backend.sum_of_squares(mean)), None
-        summed = ops.cast(reduced[-1], "float64") * self._backend.world_size()
-        plain, wide, narrow, counts = summed[:1], summed[1:2], summed[2:3], summed[3:]
-        q = ops.reshape(self._sqnorm_of(mean, variables), (1,))
-        return (step, ops.concatenate([wire_sums(plain, wide, narrow, ops), counts, q]),
-                ops.convert_to_tensor(True), None)
+        summed = StepRecord.from_wire(ops.cast(reduced[-1], "float64") * self._backend.world_size(),
+                                      GROUPS, ops)
+        q = ops.reshape(self._sqnorm_of(mean, variables), (GROUPS,))
+        return (step, summed._replace(mean_sqnorms=q).pack(ops), ops.convert_to_tensor(True),
+                None)
 
     def user_settings(self):
         """[[lr(floor(tau)), beta_1, beta_2, epsilon, weight decay, t]] (``core.USER_SETTINGS``;
@@ -457,9 +535,9 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
 
     def on_host(self, fn, *args):
         """``fn(statistics, finite, user_settings, loss_scale, count)`` on the host (a host call
-        inside a traced step), starting from the record variable's value and writing the new one
-        back: the host never runs ahead of the variable. (Keras takes no short step: count
-        None.)"""
+        inside a traced step), over the record variable's value handed to the call, the new
+        record handed back and assigned by the step: the host holds no record of its own.
+        (Keras takes no short step: count None.)"""
         statistics, finite, user_settings, loss_scale, _ = args
         measured = statistics is not None
         if not measured:
@@ -475,14 +553,15 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         return ops.reshape(plan, (GROUPS, len(PLAN)))
 
     def _host_step(self, fn, measured, state, statistics, finite, user_settings, loss_scale):
-        """The host side of ``on_host``, in numpy: the record from the variable, ``fn``, and the
-        new record's vector with the plan."""
+        """The host side of ``on_host``, in numpy: ``fn`` over the record the variable's value
+        ``state`` holds (``VariableRecord.handed``); the new record's vector and the plan."""
         self.scaling.clock.waited()  # the allreduce it depends on is over
-        self.scaling.run = self.scaling.restored(RunState.from_vector(state, self.scaling.setup))
-        if self.scaling.adapt is not None:
-            self._check_adapted(self.scaling.run.policy.steps)
-        plan = fn(statistics if measured else None, bool(finite), user_settings, float(loss_scale))
-        return self.scaling.run.to_vector(self.scaling.setup), np.asarray(plan, dtype=np.float64)
+        with self._record.handed(state) as record:
+            if self.scaling.adapt is not None:
+                self._check_adapted(record[0].policy.steps)
+            plan = fn(statistics if measured else None, bool(finite), user_settings,
+                      float(loss_scale))
+        return record[0].to_vector(self.scaling.setup), np.asarray(plan, dtype=np.float64)
 
     def apply_step(self, plan, step):
         """inner.apply with the plan's lr (and, for adascale_adam, the step's beta_1, beta_2,
@@ -580,13 +659,6 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
         return out
 
     # -- the engine's state in a variable -----------------------------------------------------------
-    @property
-    def run_state(self) -> RunState:
-        """The run's record ``hvd_scale_state`` holds (read it eagerly); before the first build,
-        the initial one."""
-        self._follow_variable()
-        return self.scaling.run
-
     def load_own_variables(self, store):
         """Keras's loader (``load_model``, ``load_weights``): the saved record is checked before
         any of this optimizer's variables is assigned (another policy's or version's is refused,
@@ -598,7 +670,7 @@ class DistributedOptimizer(Readout, keras.optimizers.Optimizer):
             values = {key: store[key] for key in store.keys()}
             saved = migrate_vector(np.asarray(values[index]), self.scaling.setup,
                                    saved_by_this_policy=self._from_saved_config)
-            self.scaling.restored(RunState.from_vector(saved, self.scaling.setup))
+            self._record.view(saved)  # refused here, naming why, before anything is assigned
             values[index], store = saved, values
         super().load_own_variables(store)
 
