@@ -1,7 +1,10 @@
-"""The read-only values an adapter's optimizer shows, and its metrics row (names:
-``hvd_scale.metrics``): each a function of the run's record (``run_state``) and the policy's
-configuration, read at the latest step's S, as that step's row in the metrics log: the run's S,
-or a short step's own (fewer micro-batches than announced; ``short_step``) until the next step."""
+"""What an adapter's optimizer shows of its run, and the few calls beside it.
+
+The read-only values and the metrics row (names: ``hvd_scale.metrics``): each a function of the
+run's record (``run_state``) and the policy's configuration, read at the latest step's S, as that
+step's row in the metrics log: the run's S, or a short step's own (fewer micro-batches than
+announced; ``short_step``) until the next step. Three calls act: ``rescale`` changes S (the
+record's layout, ``hvd_scale.run.relayout``), ``log_loss`` and ``close`` write the metrics log."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from hvd_scale.run import RunState
 
 
 class Readout:
-    """The read-only values an adapter's optimizer shows (it has ``scaling``)."""
+    """The values an adapter's optimizer shows of its run, and ``rescale``, ``log_loss``,
+    ``close`` (it has ``scaling``)."""
 
     scaling: Any  # core.Scaling
 

@@ -8,7 +8,8 @@ The engine (this package) is numpy only: adapters for PyTorch and Keras 3 live i
                       rules: policies.py)
     run               a run as one value: its record and the pure host step (run.py)
     schedules         baseline lr schedules evaluated in scale-invariant iterations
-    reduce            the statistics vector's layout and reducers (local, mpi4py, Horovod)
+    reduce            the step's statistics as a record (StepRecord: the vector's one pack
+                      and unpack) and reducers (local, mpi4py; Horovod's: hvd_scale.adapters)
     metrics           every metric name, once (the log that writes them: hvd_scale.adapters.log)
 """
 

@@ -76,7 +76,8 @@ class SharpnessGuard:
             plain gradient descent.
 
     State (``state_dict``): the latest estimate and the step it was taken at; it travels with
-    the optimizer's checkpoint so a resumed job keeps its cap until the next measurement.
+    the optimizer's checkpoint (its "guard" entry, beside the run's record: ``hvd_scale.run``
+    says why) and with a broadcast, so a resumed job keeps its cap until the next measurement.
     """
 
     def __init__(self, every: int = 50, *, iterations: int = 20, tol: float = 1e-3,
