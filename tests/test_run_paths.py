@@ -145,7 +145,8 @@ def test_item_6_a_keras_state_of_another_version_is_refused_naming_it():
             model.fit(x, y, batch_size=8, epochs=1, verbose=0)
             print("LOADED")
         except Exception as e:
-            print("REFUSED", "holds a version 5 record, this hvd_scale reads version 7" in str(e),
+            print("REFUSED", f"holds a version 5 record, this hvd_scale reads version {run.VERSION}"
+                  in str(e),
                   all(np.array_equal(a, b) for a, b in zip(before, model.get_weights())))
         try:
             state.assign(np.zeros(vector.size - run.HEAD))  # a vector of before the record

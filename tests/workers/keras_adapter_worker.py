@@ -29,6 +29,7 @@ from _reference import read_sums
 from _report import emit_result, error_of
 from hvd_scale import GainEstimator
 from hvd_scale.metrics import TIMING_METRICS
+from hvd_scale.noise import NoiseState
 from hvd_scale.adapters.keras import (BroadcastInitialState, CommitState, DistributedOptimizer,
                                       ElasticState, ScalingMetrics, broadcast_state, hvd)
 
@@ -531,8 +532,8 @@ def new_checkpoint_model(policy="adascale"):
 
 def as_version_6(path, vector):
     """The saved file (.keras or .weights.h5) as the previous record version wrote it: the
-    hvd_scale_state entry equal to ``vector`` without the policy's code, [6, S, k, W, measure,
-    skips, last lr, the policy's record]."""
+    hvd_scale_state entry equal to ``vector`` without the policy's code nor the noise record,
+    [6, S, k, W, measure, skips, last lr, the policy's record]."""
     import h5py
     import zipfile
 
@@ -542,7 +543,8 @@ def as_version_6(path, vector):
             f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset)
                          and np.array_equal(obj[()], vector) else None)
             assert len(found) == 1, found
-            old = np.concatenate([[6.0], f[found[0]][()][2:]])
+            noise = NoiseState.vector_size(1)  # version 8's noise record, after the policy's
+            old = np.concatenate([[6.0], f[found[0]][()][2:-noise]])
             del f[found[0]]
             f.create_dataset(found[0], data=old)
 
@@ -604,7 +606,11 @@ def case_checkpoint():
         as_version_6(old_path, vector)
         as_version_6(old_weights, vector)
         migrated = keras.models.load_model(old_path)
-        migrated_record = bool(np.array_equal(migrated.optimizer._state.numpy(), vector))
+        # The record as saved, with a fresh noise record (version 6 had none).
+        noise = NoiseState.vector_size(1)
+        taken = migrated.optimizer._state.numpy()
+        migrated_record = bool(np.array_equal(taken[:-noise], vector[:-noise]) and np.array_equal(
+            taken[-noise:], NoiseState().to_vector(1), equal_nan=True))
         fresh = new_checkpoint_model()
         fresh.optimizer.build(fresh.trainable_variables)
         old_refused = load_error(lambda: fresh.load_weights(old_weights))
