@@ -37,8 +37,11 @@ class StepClock:
     passes take from the previous step's end to the wait for its gradients (``waiting``); with
     k >= 2 the first gradient of each pass (``pass_started``) times one pass alone; the wait lasts
     until ``waited``, the update until the step's end (``ended``): known only after the step, so
-    each step's row carries the previous step's update. The first step after construction has no
-    previous end: its times are nan and not kept. No synchronisation is added."""
+    each step's row carries the previous step's update. Between ``reading`` and ``read`` the
+    adapter takes the statistics' once-a-step read (each worker's gradient where it is sent):
+    its seconds before the wait are the model's s, a step's cost (charged to the passes at k = 1
+    it would be predicted to grow with k). The first step after construction has no previous
+    end: its times are nan and not kept. No synchronisation is added."""
 
     HISTORY = 400  # steps kept for the model (``goodput.fit_step_time``)
 
@@ -46,10 +49,19 @@ class StepClock:
         self._end = self._wait = self._waited = None
         self._passes: list[float] = []  # the first gradient of each pass of this step
         self._update = math.nan
+        self._reads, self._reading = 0.0, None  # this step's statistics read before the wait
         self.history: collections.deque = collections.deque(maxlen=self.HISTORY)
 
     def pass_started(self) -> None:
         self._passes.append(time.perf_counter())
+
+    def reading(self) -> None:
+        self._reading = time.perf_counter()
+
+    def read(self) -> None:
+        if self._reading is not None and self._wait is None:  # inside the passes' time
+            self._reads += time.perf_counter() - self._reading
+        self._reading = None
 
     def waiting(self) -> None:
         self._wait = time.perf_counter()
@@ -62,6 +74,7 @@ class StepClock:
         if self._waited is not None:
             self._update = now - self._waited
         self._end, self._wait, self._waited, self._passes = now, None, None, []
+        self._reads, self._reading = 0.0, None
 
     def lap(self, passes: int, workers: int) -> dict[str, float]:
         """This step's ``hvd_scale.metrics.TIMING_METRICS``; a complete row joins the history."""
@@ -73,7 +86,7 @@ class StepClock:
             one_pass = (starts[-1] - starts[0]) / (passes - 1)
         row = (passes, compute, wait, self._update)
         if all(math.isfinite(x) for x in row):
-            self.history.append((workers,) + row + (one_pass,))
+            self.history.append((workers,) + row + (one_pass, self._reads))
         overhead = compute - passes * one_pass
         step_time = compute + wait + self._update
         return {"passes": float(passes), "workers": float(workers),
@@ -83,13 +96,13 @@ class StepClock:
 
     def model(self, workers: int) -> goodput.StepTimeModel | None:
         """The step-time model fitted to the kept steps at ``workers`` (None without any)."""
-        rows = [r[1:] for r in self.history if r[0] == workers]
+        rows = [r[1:6] + (r[6] if len(r) > 6 else 0.0,) for r in self.history if r[0] == workers]
         if not rows:
             return None
-        k, compute, wait, update, one_pass = zip(*rows)
+        k, compute, wait, update, one_pass, reads = zip(*rows)
         # One micro-batch size: the model is in passes (m = 1 in its own units).
         return goodput.fit_step_time(k, [1.0] * len(k), compute, wait, update, workers=workers,
-                                     per_pass=one_pass)
+                                     per_pass=one_pass, statistics=reads)
 
 
 class Adaptation:

@@ -16,10 +16,14 @@ scaling stops paying too.
 
 Step-time model, measured in the job (the adapters time each step; no extra synchronisation):
 
-    T = o + k c(m) + a(W) + u  o     the step's own work outside its passes (zero_grad, the
+    T = o + k c(m) + s + a(W) + u  o  the step's own work outside its passes (zero_grad, the
                                      adapt decision, evaluation, logging: what the user's loop
                                      does once per step)
                                c(m) = c0 + c1 m   one forward + backward pass (its data included)
+                               s     the statistics' read taken once a step inside the last
+                                     pass (each worker's accumulated gradient, read where it is
+                                     sent: samples="workers"), timed apart by the adapter; 0
+                                     where none is timed (reads of every pass stay in c)
                                a(W)  the wait for the gradients' allreduce after the last pass
                                u     the update and the host's work of the step
 
@@ -29,7 +33,10 @@ the time from the previous step's end to ``step()`` is o + k c, and with k >= 2 
 also times one pass alone (from the first gradient of the first pass to that of the last, over
 k - 1), so one configuration identifies c and o apart; with k = 1 only, o is identified across
 steps of several k (a least-squares line o + k c), else taken as 0 and stated (``identified``):
-charged to the passes, a per-step cost would be predicted to grow with k. a is the wait inside
+charged to the passes, a per-step cost would be predicted to grow with k. s is taken out of the
+passes' time before that split, so even one k keeps the read per step (charged to the pass at
+k = 1, it made B4's k = 8 predicted too slow once the read moved from every pass to one a step:
+benchmarks/results/goodput_drift.md). a is the wait inside
 ``synchronize``, u the rest of ``step()``. c0 and c1 are a least-squares line over the
 micro-batch sizes seen (one size: another m is assumed to cost in proportion, c(m) = c m /
 m_seen). Another W is an extrapolation, stated wherever it is used: a ring allreduce moves
@@ -52,7 +59,7 @@ from .estimate import gain_ratio
 
 @dataclasses.dataclass(frozen=True)
 class StepTimeModel:
-    """T(k, m, W) = o + k (c0 + c1 m) + a(W) + u, fitted at ``workers`` (see the module's
+    """T(k, m, W) = o + k (c0 + c1 m) + s + a(W) + u, fitted at ``workers`` (see the module's
     docstring)."""
 
     compute: float         # c0 + c1 m_seen: seconds of one pass at the micro-batch seen
@@ -64,6 +71,7 @@ class StepTimeModel:
     error: float = math.nan  # largest relative error of the mean step time of a configuration seen
     per_step: float = 0.0  # o: the step's own work outside its passes
     identified: bool = True  # o and c measured apart (else o = 0 was assumed: one k, no pass timed)
+    statistics: float = 0.0  # s: the statistics' read once a step, timed apart (0: none timed)
 
     def pass_time(self, micro_batch: float | None = None) -> float:
         """c(m): one pass at ``micro_batch`` samples (default: the size seen)."""
@@ -87,17 +95,20 @@ class StepTimeModel:
     def step_time(self, passes: float, micro_batch: float | None = None,
                   workers: int | None = None) -> float:
         """Predicted seconds of one step of k passes."""
-        return (self.per_step + passes * self.pass_time(micro_batch) + self.allreduce_time(workers)
-                + self.update)
+        return (self.per_step + passes * self.pass_time(micro_batch) + self.statistics
+                + self.allreduce_time(workers) + self.update)
 
 
 def fit_step_time(passes: Sequence[float], micro_batch: Sequence[float], compute: Sequence[float],
                   allreduce: Sequence[float], update: Sequence[float], *, workers: int,
-                  per_pass: Sequence[float] | None = None) -> StepTimeModel:
+                  per_pass: Sequence[float] | None = None,
+                  statistics: Sequence[float] | None = None) -> StepTimeModel:
     """Fit the model to per-step timings (one entry per step: its passes k, micro-batch m, the
-    seconds from the previous step's end to the wait (o + k c), of its allreduce wait and of its
-    update; ``per_pass``: one pass timed alone, nan where it was not (k = 1)). Raises ValueError
-    on empty or non-finite input, or a step with no passes."""
+    seconds from the previous step's end to the wait (o + k c + s), of its allreduce wait and of
+    its update; ``per_pass``: one pass timed alone, nan where it was not (k = 1); ``statistics``:
+    the seconds of the step's once-a-step statistics read within that compute, nan or 0 where
+    none was timed). Raises ValueError on empty or non-finite input, or a step with no
+    passes."""
     k, m, c, a, u = (np.asarray(x, dtype=np.float64) for x in (passes, micro_batch, compute,
                                                                  allreduce, update))
     if not k.size or len({x.shape for x in (k, m, c, a, u)}) != 1 or k.ndim != 1:
@@ -107,6 +118,11 @@ def fit_step_time(passes: Sequence[float], micro_batch: Sequence[float], compute
     if not np.all(np.isfinite(values)) or np.any(values < 0) or np.any(k < 1) or np.any(m <= 0):
         raise ValueError("timings must be finite and >= 0, with passes >= 1 and micro_batch > 0")
     p = np.full(k.shape, np.nan) if per_pass is None else np.asarray(per_pass, dtype=np.float64)
+    s = np.zeros(k.shape) if statistics is None else np.asarray(statistics, dtype=np.float64)
+    if s.shape != k.shape:
+        raise ValueError(f"expected one statistics time per step, got {s.size} for {k.size} steps")
+    s = np.where(np.isfinite(s) & (s > 0), np.minimum(s, c), 0.0)
+    c = c - s  # o + k c: the read is a step's, not a pass's
     timed = np.isfinite(p) & (p > 0)
     identified = True
     if timed.any():  # passes timed alone: o is the rest of each step's compute
@@ -122,11 +138,11 @@ def fit_step_time(passes: Sequence[float], micro_batch: Sequence[float], compute
     model = StepTimeModel(compute=float(np.mean(per_pass_time)), per_sample=c1,
                           micro_batch=float(np.mean(m)), allreduce=float(np.mean(a)),
                           update=float(np.mean(u)), workers=int(workers), per_step=per_step,
-                          identified=identified)
+                          identified=identified, statistics=float(np.mean(s)))
     # The error of the mean step time of each configuration seen (single steps scatter far more
     # on shared cores than their means, which is what goodput uses): with one configuration the
     # model reproduces its mean exactly, so the error says something only across k or m.
-    measured = c + a + u
+    measured = c + s + a + u
     errors = [abs(model.step_time(ki, mi) - np.mean(measured[(k == ki) & (m == mi)]))
               / max(float(np.mean(measured[(k == ki) & (m == mi)])), 1e-12)
               for ki, mi in set(zip(k.tolist(), m.tolist()))]

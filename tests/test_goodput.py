@@ -121,3 +121,53 @@ def test_choose_passes_never_below_min_passes_nor_unrunnable():
     grid = goodput.candidates(model, 1e-9, 1.0, workers=[1], passes=range(1, 5), micro_batches=[1],
                               base_batch=0.5)  # S = 2k
     assert [c.passes for c in grid] == [2, 3, 4]  # k = 1: S = 2 from one micro-gradient
+
+
+def test_a_once_a_step_statistics_read_is_not_charged_to_the_passes():
+    """Issue 61: from two workers on the statistics read each worker's accumulated gradient once a
+    step, inside the last pass. Fitted to k = 1 alone (o unidentified), that read was charged to
+    every pass and k = 8 predicted (k - 1) s too slow; timed apart, it stays a step's cost."""
+    c, s, a, u = 0.020, 0.004, 0.009, 0.003
+    k1 = goodput.fit_step_time([1] * 50, [1.0] * 50, [c + s] * 50, [a] * 50, [u] * 50, workers=2,
+                               statistics=[s] * 50)
+    assert k1.statistics == pytest.approx(s) and k1.pass_time() == pytest.approx(c)
+    assert k1.step_time(8) == pytest.approx(8 * c + s + a + u)
+    # Untimed (nan), the read stays in the pass as before: k = 8 over-predicted by 7 s.
+    blind = goodput.fit_step_time([1] * 50, [1.0] * 50, [c + s] * 50, [a] * 50, [u] * 50,
+                                  workers=2, statistics=[math.nan] * 50)
+    assert blind.step_time(8) == pytest.approx(8 * (c + s) + a + u)
+    # With a pass timed alone (k = 8), o is the rest of the step beside the read.
+    o = 0.002
+    k8 = goodput.fit_step_time([8] * 20, [1.0] * 20, [o + 8 * c + s] * 20, [a] * 20, [u] * 20,
+                               workers=2, per_pass=[c] * 20, statistics=[s] * 20)
+    assert (k8.per_step, k8.statistics) == (pytest.approx(o), pytest.approx(s))
+    assert k8.step_time(1) == pytest.approx(o + c + s + a + u)
+    with pytest.raises(ValueError, match="statistics time per step"):
+        goodput.fit_step_time([1, 1], [1.0, 1.0], [c, c], [a, a], [u, u], workers=2,
+                              statistics=[s])
+
+
+def test_step_clock_keeps_the_statistics_read_apart():
+    """adapt="goodput"'s clock: the read stamped between reading() and read() before the wait
+    is the model's s; one taken after the wait (a short step's, in synchronize) is not."""
+    import time
+
+    from hvd_scale.adapters.adapt import StepClock
+
+    clock = StepClock()
+    clock.ended()
+    for _ in range(12):
+        clock.reading()
+        time.sleep(0.004)
+        clock.read()
+        time.sleep(0.002)
+        clock.waiting()
+        clock.reading()  # after the wait: the wait's, not the passes'
+        clock.read()
+        clock.waited()
+        clock.lap(1, 2)
+        clock.ended()
+    model = clock.model(2)
+    assert 0.004 <= model.statistics < 0.004 + 0.05
+    assert model.step_time(8) - model.step_time(1) == pytest.approx(7 * model.pass_time())
+    assert 0.002 <= model.pass_time() < 0.002 + 0.05  # the sleep after the read: the pass
