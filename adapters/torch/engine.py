@@ -84,8 +84,11 @@ class Engine(Protocol):
     def attach(self, statistics: Any) -> None:
         """Called once by the optimizer, after building the ``statistics.StepStatistics`` (which
         holds this engine): install the engine's hooks (its buckets' sends, its comm hook, its
-        reduce-scatter) feeding ``statistics``, and choose the statistics' own tensor hooks
-        (``statistics.hook_parameters(kind, few)``). A refusal here removes what it installed."""
+        reduce-scatter) feeding ``statistics``; say how the norms are read
+        (``statistics.configure(bucketed=..., switching=..., send_at_last_gradient=...)``: in
+        the engine's own hooks, each worker's sum once, or by the statistics' tensor hooks per
+        pass) and choose those tensor hooks (``statistics.hook_parameters(kind, few)``). A
+        refusal here removes what it installed."""
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Any:
         """Start the statistics' allreduce of ``tensor`` (1-D, ``stats_dtype``) over the

@@ -98,6 +98,7 @@ class TorchOptimizer(Readout, torch.optim.Optimizer):
         self.engine = engine.name
         self._engine = engine
         self._grad_scaler = grad_scaler
+        self._closed = False  # close(): the hooks put back, no further step
         self._statistics = StepStatistics(inner, scaling, engine, passes)
         engine.attach(self._statistics)
         self._count_scaler_skips(grad_scaler)  # a step the scaler skips: counted there
@@ -117,6 +118,9 @@ class TorchOptimizer(Readout, torch.optim.Optimizer):
         ``guard_loss``: with a ``guard``, a function returning this worker's loss on its current
         batch (a fresh forward pass; no backward), called on the guard's steps only.
         """
+        if self._closed:
+            raise RuntimeError("hvd_scale: step() after opt.close(): its hooks are removed and "
+                               "nothing would be measured; build a new DistributedOptimizer")
         result = run_step(self, _Step(closure, guard_loss))
         self.scaling.clock.ended()
         self.set_passes(self.scaling.adapted_passes())
@@ -155,7 +159,9 @@ class TorchOptimizer(Readout, torch.optim.Optimizer):
     def close(self) -> None:
         """Put back what this optimizer hooked (the engine's hooks, the tensor hooks), and flush
         and close the metrics files. Under DDP the communication hook stays registered (DDP
-        cannot unregister one) and passes each bucket to the user's hook (or DDP's allreduce)."""
+        cannot unregister one) and passes each bucket to the user's hook (or DDP's allreduce).
+        A later ``step()`` raises RuntimeError."""
+        self._closed = True
         self._engine.close()
         self._statistics.close()
         if self.scaling.logger is not None:

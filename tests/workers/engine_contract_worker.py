@@ -112,6 +112,11 @@ def main() -> int:
     opt.close()
     opt.close()  # idempotent
     out["hooks_after_close"] = tensor_hooks(plain)
+    try:
+        opt.step()
+        out["step_after_close"] = None
+    except RuntimeError as e:
+        out["step_after_close"] = str(e)
     if not engine.sharded:
         model.zero_grad()
         model(torch.randn(6, 4, generator=g)).square().mean().backward()
