@@ -1,5 +1,5 @@
-"""torch.distributed's engine for the torch optimizer (``optimizer.py``: the protocol's hooks,
-shared with ``horovod.py``): a ``DistributedDataParallel`` model's own communication carries the
+"""torch.distributed's engine for the torch optimizer (``engine.Engine``; the optimizer, built
+from it, in ``optimizer.py``): a ``DistributedDataParallel`` model's own communication carries the
 statistics. No Horovod is imported.
 
     dist.init_process_group("gloo")                      # torchrun sets the rendezvous
@@ -27,7 +27,7 @@ How the statistics ride DDP's communication (one communication hook, ``register_
 * at the last bucket, [s..., c, w] go out in one small float64 allreduce on the same process
   group, issued after that bucket's, so it overlaps the gradients' tail; at the end of that
   backward pass, once DDP has written the averaged buckets into p.grad, it is waited for and
-  p.grad becomes the mean of the step's micro-gradients (``_to_mean_gradient``), so clipping or
+  p.grad becomes the mean of the step's micro-gradients (``to_mean_gradient``), so clipping or
   a GradScaler's ``unscale_`` between backward and ``step()`` sees the mean, as under Horovod
   after ``synchronize()`` (which exists here too, and has nothing left to do).
 
