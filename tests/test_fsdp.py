@@ -124,6 +124,21 @@ def test_p_grad_is_the_mean_micro_gradient_after_backward(fsdp):
     np.testing.assert_allclose(got["seen"], q, rtol=RTOL)
 
 
+@pytest.mark.timeout(900)
+def test_a_short_step_counts_the_passes_taken(fsdp):
+    """k = 3, every rank takes two passes (samples="workers"): n = 4, the step at S = 4 (the
+    readout's S stays W k), each rank's sum read once, p.grad the mean of the 4
+    micro-gradients; the same by hand. (Ranks cannot take different passes under FSDP2: each
+    forward all-gathers.)"""
+    for rank in (0, 1):
+        got = fsdp["short"][rank]
+        ref = got["reference"]
+        np.testing.assert_allclose(got["vectors"], ref["vectors"], rtol=RTOL)
+        assert got["vectors"][0][1:3] == [4.0, 2.0] and got["scale"] == 6.0  # S stays W k
+        assert got["gain"] == pytest.approx(ref["gain"], rel=RTOL)
+        np.testing.assert_allclose(got["weights"], ref["weights"], rtol=RTOL, atol=1e-12)
+
+
 @pytest.mark.timeout(600)
 def test_one_process_mesh(alone):
     """A mesh of one (resuming a job at W = 1): FSDP2 runs no reduce-scatter there, and its

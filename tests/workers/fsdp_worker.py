@@ -248,9 +248,51 @@ def main():
                          "reference": reference("adascale", 2, "workers", world, 2, torch.float32,
                                                 steps=3)})
             del model, opt
+        emit_result({"rank": rank, "run": "short", **short_step(mesh, rank, world)})
         emit_result({"rank": rank, "run": "refusals", "refused": refusals(mesh, rank)})
     dist.destroy_process_group()
     return 0
+
+
+def short_step(mesh, rank, world):
+    """A fresh optimizer's first step at k = 3 where every rank takes two passes (the last
+    batches; FSDP2's all-gathers in each forward leave no room for ranks to differ),
+    samples="workers": n = 2 W micro-gradients at the step's own S = W k n / (W k) = 2 W, each
+    rank's sum read once (|G_r|^2 / 2, W samples), p.grad the mean; the same by hand."""
+    from hvd_scale.spec import make_policy
+
+    k, passes = 3, [2] * world
+    model, opt, vectors = build(mesh, "adascale", k, "workers")
+    for j in range(passes[rank]):
+        model.set_requires_gradient_sync(j == passes[rank] - 1)
+        loss_of(model, rank, 0, j).backward()
+    model.set_requires_gradient_sync(True)
+    opt.step()
+    twin = new_model()
+    params = list(twin.parameters())
+    sums, micro = [], []
+    for r in range(world):
+        grads = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            loss_of(twin, r, 0, j), params)]) for j in range(passes[r])]
+        micro += grads
+        sums.append(float(sum(grads).square().sum()) / passes[r])
+    n, mean = len(micro), torch.stack(micro).mean(0)
+    policy = make_policy("adascale", budget=BUDGET, optimizer="SGD")
+    _, info = policy.transition(policy.init(), sum(sums), float(mean.square().sum()), n,
+                                scale=float(world * k * n / (world * k)), samples=world)
+    with torch.no_grad():
+        at = 0
+        for p in params:
+            p -= LR * info.lr_factor * mean[at:at + p.numel()].view_as(p)
+            at += p.numel()
+    return {"vectors": vectors, "gain": opt.gain, "scale": opt.scale, "weights": full_weights(model),
+            "reference": {"vectors": [[sum(sums), float(n), float(world),
+                                       float(mean.square().sum())]],
+                          "gain": info.gain, "weights": full_weights_of(params)}}
+
+
+def full_weights_of(params):
+    return np.concatenate([p.detach().double().numpy().reshape(-1) for p in params]).tolist()
 
 
 def refusals(mesh, rank):
