@@ -3,7 +3,8 @@
 The bugs this matrix is for lived where two features meet, each passing its own tests. One
 harness (tests/workers/transitions_worker.py) runs the cells
 
-    {torch (Horovod), torch (DDP, torchrun), Keras on TensorFlow, Keras on torch}
+    {torch (Horovod), torch (DDP, torchrun), torch (FSDP2, torchrun), Keras on TensorFlow,
+     Keras on torch}
     x {fit, a custom loop (where both exist)}
     x {steady, adapt changing k, set_passes by hand, a checkpoint saved and resumed through
        broadcast_state (with k fixed, and with k adapted before it: rank 0 loads k = 4, the
@@ -100,7 +101,7 @@ import _reference  # noqa: E402  (tests/workers: the independent reference)
 import transitions_worker as harness  # noqa: E402  (the cells' schedule and micro-batches)
 
 WORKER = WORKERS_DIR / "transitions_worker.py"
-FRAMEWORKS = {"torch": ("torch", None), "torch/ddp": ("ddp", None),
+FRAMEWORKS = {"torch": ("torch", None), "torch/ddp": ("ddp", None), "torch/fsdp": ("fsdp", None),
               "keras/tensorflow": ("keras", "tensorflow"), "keras/torch": ("keras", "torch")}
 # What each framework runs, within CI's time (a Keras cell costs ~2 s, its model traced anew):
 # the loops; the one-process (np 1) cells; whether the resume at another world size runs (Keras's
@@ -114,6 +115,13 @@ RUNS = {"torch": {"loops": "custom", "alone": None, "resume": True, "custom": No
         "torch/ddp": {"loops": "custom", "alone": None, "resume": True, "custom": None,
                       "policies": "none,warmup,adascale,adascale_adam",
                       "workers": "adapt,short,checkpoint,resume"},
+        # torch under torchrun with FSDP2 (fully_shard): the policies its engine measures (it
+        # refuses adascale_adam and measure=False, and a one-rank mesh: the one-process cells
+        # and the resume at another world size, which runs through one process, say so;
+        # tests/test_fsdp_checkpoint.py resumes FSDP2 at another world size through DCP).
+        "torch/fsdp": {"loops": "custom", "alone": "steady", "resume": False, "custom": None,
+                       "policies": "none,warmup,adascale",
+                       "workers": "adapt,checkpoint"},
         # The custom loop's own paths: eager apply calls, adapt_passes by hand, a checkpoint of
         # an adapted k, a non-finite step outside fit; the rest are fit's code.
         "keras/tensorflow": {"loops": "fit,custom", "alone": "steady,set_passes,adapt",
@@ -146,7 +154,7 @@ def _env(backend):
 def _one_process(framework, backend, *extra, timeout=600):
     """The worker in one process (no horovodrun): its RESULT lines."""
     from hvd_scale.launch.jobs import read_results
-    group = {} if framework != "ddp" else {  # torch.distributed: a group of one process
+    group = {} if framework not in ("ddp", "fsdp") else {  # torch.distributed: a group of one process
         "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out = subprocess.run([sys.executable, str(WORKER), "--framework", framework, *extra],
                          capture_output=True, text=True, timeout=timeout,
@@ -170,8 +178,8 @@ def matrix(request, tmp_path_factory):
     base = [sys.executable, str(WORKER), "--framework", framework, "--loops", runs["loops"],
             "--policies", runs["policies"],
             *(["--custom-cells", runs["custom"]] if runs["custom"] else [])]
-    def job(args, timeout):  # two workers: Horovod's, or torchrun's for DDP
-        if framework == "ddp":
+    def job(args, timeout):  # two workers: Horovod's, or torchrun's for DDP and FSDP2
+        if framework in ("ddp", "fsdp"):
             return run_torchrun(args[1:], nproc=2, timeout=timeout, env=_env(backend))
         return run_horovod(args, np=2, timeout=timeout, env=_env(backend))
 
@@ -278,8 +286,8 @@ def check_cell(cell, ranks, workers, resumed_second=None):
     zero = ranks[0]
     if status == "cannot":
         framework, change = cell[0], cell[2]
-        allowed = (framework, change) in harness.CANNOT or (change == "join" and workers == 1) \
-            or change == "resume"
+        allowed = harness.cannot(framework, change, cell[4], workers, cell[5]) is not None \
+            or (change == "join" and workers == 1) or change == "resume"
         same = len({r["why"] for r in ranks.values()}) == 1
         return [] if allowed and same and zero["why"] else [f"cannot: {zero.get('why')}"]
     layout = "keras" if cell[0] == "keras" else "torch"

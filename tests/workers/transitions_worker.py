@@ -58,7 +58,27 @@ CANNOT = {
                        "shards before the first step",
     ("ddp", "join"): "hvd.join is Horovod's; DDP's uneven inputs (torch.distributed's Join "
                      "context) are tests/test_ddp_options.py's",
+    ("fsdp", "join"): "hvd.join is Horovod's; FSDP2 has no uneven-inputs context",
 }
+
+
+def cannot(framework: str, change: str, measured: bool, workers: int,
+           samples: str = "passes") -> str | None:
+    """Why a cell cannot run (``CANNOT``, and FSDP2's cells that its engine refuses at set-up,
+    each tested where it is refused: tests/test_fsdp.py), or None."""
+    why = CANNOT.get((framework, change))
+    if why is None and framework == "fsdp":
+        if workers == 1:
+            why = ("FSDP2 on a one-rank mesh runs no reduce-scatter, which the engine refuses: "
+                   "one process runs under DDP or Horovod (their columns)")
+        elif not measured:
+            why = "measure=False is refused under FSDP2 (the engine always measures)"
+        elif change == "short":
+            why = ("ranks taking different numbers of passes in a step: FSDP2 all-gathers the "
+                   "parameters in every forward pass, so its own collectives do not pair up "
+                   "(plain FSDP2 hangs alike); short_below, where every rank takes one pass, "
+                   "runs")
+    return why
 
 
 def k_schedule(change: str, step: int) -> int:
@@ -138,6 +158,13 @@ def torch_cell(ranks, change, spec, measured, args, out, engine="horovod", sampl
         from torch.nn.parallel import DistributedDataParallel
 
         from hvd_scale.adapters.torch.ddp import DistributedOptimizer, broadcast_state
+    elif engine == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        from hvd_scale.adapters.torch.fsdp import DistributedOptimizer
+
+        def broadcast_state(wrapped, opt):  # every rank loads its own shards: nothing to send
+            pass
     else:
         import horovod.torch as hvd
 
@@ -150,13 +177,16 @@ def torch_cell(ranks, change, spec, measured, args, out, engine="horovod", sampl
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(),
                                     torch.nn.Linear(3, 1)).double()
         wrapped = DistributedDataParallel(model) if engine == "ddp" else model
+        if engine == "fsdp":  # the first layer a unit, the rest the root's
+            fully_shard(model[0])
+            fully_shard(model)
         inner = (torch.optim.Adam(model.parameters(), lr=LR * 0.1) if spec.startswith("adascale_adam")
                  else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
         out.setdefault("initial", weights(model))
         out["state"] = lambda: torch_state(model, inner, None)
         # torch's set_passes needs no adapt where k starts >= 2
         adapt = change in ("adapt", "adapt_checkpoint")
-        where = {"model": wrapped} if engine == "ddp" else \
+        where = {"model": wrapped} if engine in ("ddp", "fsdp") else \
             {"named_parameters": model.named_parameters()}
         opt = DistributedOptimizer(inner, **where, policy=spec, samples=samples,
                                    backward_passes_per_step=k_schedule(change, 1) * mult,
@@ -170,8 +200,11 @@ def torch_cell(ranks, change, spec, measured, args, out, engine="horovod", sampl
         out["state"] = lambda: torch_state(model, opt, opt)
         return model, wrapped, opt
 
+    def whole(t):  # FSDP2's parameters and state are DTensors: the whole tensor
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
     def weights(model):
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+        return torch.cat([whole(p).detach().reshape(-1) for p in model.parameters()]).tolist()
 
     def torch_state(model, holder, opt):
         """What a refusal left: the weights, tau, the groups' lrs, the optimizer's state."""
@@ -180,13 +213,15 @@ def torch_cell(ranks, change, spec, measured, args, out, engine="horovod", sampl
         def flat(key):
             values = [holder.state.get(p, {}).get(key) for p in params]
             return None if any(v is None for v in values) else \
-                torch.cat([v.reshape(-1) for v in values]).tolist()
+                torch.cat([whole(v).reshape(-1) for v in values]).tolist()
         return {"weights": weights(model), "tau": float(opt.progress) if opt else 0.0,
                 "steps": int(opt.steps) if opt else 0,
                 "lrs": [float(g["lr"]) for g in holder.param_groups],
                 "buf": flat("exp_avg") or flat("momentum_buffer"), "v": flat("exp_avg_sq")}
 
-    def quiet(i, indices):  # DDP's accumulation: every pass of the rank's step but its last
+    def quiet(i, indices):  # accumulation: every pass of the rank's step but its last
+        if engine == "fsdp":  # per-pass samples: a reduce-scatter every pass
+            wrapped.set_requires_gradient_sync(i == indices[-1] or samples == "passes")
         return wrapped.no_sync() if engine == "ddp" and i != indices[-1] else contextlib.nullcontext()
 
     model, wrapped, opt = build()
@@ -222,7 +257,7 @@ def torch_cell(ranks, change, spec, measured, args, out, engine="horovod", sampl
             # A new job (at the k it starts with): rank 0 loads, then broadcast_state gives
             # every rank the whole record, k included (#47 item 2).
             model, wrapped, opt = build()
-            if ranks.hvd.rank() == 0:
+            if ranks.hvd.rank() == 0 or engine == "fsdp":  # FSDP2: each rank its own shards
                 model.load_state_dict(saved["model"])
                 opt.load_state_dict(saved["opt"])
             broadcast_state(wrapped, opt)
@@ -443,7 +478,7 @@ def scripted_adapt(mult):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--framework", choices=("torch", "keras", "ddp"), required=True)
+    parser.add_argument("--framework", choices=("torch", "keras", "ddp", "fsdp"), required=True)
     parser.add_argument("--simulate", type=int, default=None)
     parser.add_argument("--cells", default=",".join(CHANGES))
     parser.add_argument("--policies", default=",".join(POLICIES))
@@ -464,7 +499,7 @@ def main():
     if args.framework == "torch":
         import horovod.torch as hvd
         loops = ["custom"]
-    elif args.framework == "ddp":
+    elif args.framework in ("ddp", "fsdp"):
         hvd = DistributedRanks()  # torchrun's environment, or one process on its own
         loops = ["custom"]
     else:
@@ -484,7 +519,7 @@ def main():
                  for name in args.policies.split(",") if name.startswith("adascale")]
         for change, name, measured, samples in runs:
             cell = [args.framework, loop, change, name, measured, samples]
-            why = CANNOT.get((args.framework, change))
+            why = cannot(args.framework, change, measured, ranks.workers, samples)
             if why is None and change == "join" and ranks.workers == 1:
                 why = "hvd.join needs 2 workers"
             if why is None and change == "resume" and not (args.save or args.load
@@ -496,9 +531,10 @@ def main():
             report = {"rows": []}
             chosen = SAMPLES if samples == "passes" else "auto"
             try:
-                if args.framework in ("torch", "ddp"):
+                if args.framework in ("torch", "ddp", "fsdp"):
                     out = torch_cell(ranks, change, POLICIES[name], measured, args, report,
-                                     engine="ddp" if args.framework == "ddp" else "horovod",
+                                     engine={"torch": "horovod"}.get(args.framework,
+                                                                     args.framework),
                                      samples=chosen)
                 else:
                     out = keras_cell(ranks, loop, change, POLICIES[name], measured, args,
