@@ -275,7 +275,8 @@ def _conformance(result):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("adapter", ["toy", "torch", "torch/ddp", "keras/tensorflow", "keras/torch"])
+@pytest.mark.parametrize("adapter", ["toy", "torch", "torch/ddp", "torch/fsdp", "keras/tensorflow",
+                                     "keras/torch"])
 def test_every_adapter_implements_the_protocol(adapter):
     """Issue #23, 1: one step driver (core.run_step) for every adapter, one signature per hook."""
     import importlib.util
@@ -298,6 +299,11 @@ def test_every_adapter_implements_the_protocol(adapter):
                 opt.step()
 
         _conformance(module.check(opt, micro_step, lambda: opt.w.copy()))
+        return
+    if adapter == "torch/fsdp":  # two processes: FSDP2's engine refuses a one-rank mesh
+        from hvdrun import run_torchrun
+        out = run_torchrun([str(worker), adapter], nproc=2, timeout=240)
+        _conformance(read_results(out.stdout)[0])
         return
     framework, _, backend = adapter.partition("/")
     if adapter == "torch/ddp":

@@ -2,7 +2,7 @@
 ``adapters/protocol.FrameworkOptimizer`` and take two steps of two micro-batches, recording the
 hooks ``core.run_step`` calls. Prints one JSON line. Usage: protocol_conformance.py
 torch|torch/ddp|keras (Keras runs on the backend $KERAS_BACKEND names; torch/ddp: a
-torch.distributed group of one process)."""
+torch.distributed group of one process), or under ``torchrun --nproc-per-node 2``: torch/fsdp."""
 
 from __future__ import annotations
 
@@ -94,6 +94,34 @@ def ddp_case() -> dict:
     return check(opt, micro_step, lambda: torch.cat([p.detach().flatten() for p in model.parameters()]).numpy())
 
 
+def fsdp_case() -> dict:
+    """torch under FSDP2 (``fully_shard``), two processes of torchrun (FSDP2 on a one-rank mesh
+    runs no reduce-scatter, which the engine refuses): adascale over SGD (the engine refuses
+    adascale_adam)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from hvd_scale.adapters.torch.fsdp import DistributedOptimizer
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(4, 1))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model,
+                               policy="adascale", backward_passes_per_step=2)
+
+    def micro_step(i):
+        x, y = (torch.from_numpy(a) for a in data(i + 100 * dist.get_rank()))
+        model.set_requires_gradient_sync(i % 2 == 1)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+    return check(opt, micro_step, lambda: torch.cat(
+        [p.full_tensor().detach().flatten() for p in model.parameters()]).numpy())
+
+
 def keras_case() -> dict:
     import keras
 
@@ -127,5 +155,6 @@ def keras_case() -> dict:
 
 
 if __name__ == "__main__":
-    out = {"torch": torch_case, "torch/ddp": ddp_case, "keras": keras_case}[sys.argv[1]]()
+    out = {"torch": torch_case, "torch/ddp": ddp_case, "torch/fsdp": fsdp_case,
+           "keras": keras_case}[sys.argv[1]]()
     print_result(out)
