@@ -92,7 +92,7 @@ class StepClock:
         return {"passes": float(passes), "workers": float(workers),
                 "pass_time": compute / passes if math.isnan(one_pass) else one_pass,
                 "overhead_time": overhead, "allreduce_time": wait, "update_time": self._update,
-                "step_time": step_time}
+                "step_time": step_time, "statistics_time": self._reads}
 
     def model(self, workers: int) -> goodput.StepTimeModel | None:
         """The step-time model fitted to the kept steps at ``workers`` (None without any)."""

@@ -97,16 +97,24 @@ def timings(log_dir: pathlib.Path) -> dict:
     _, c = read_run(log_dir)
     keep = [i for i in range(len(c["step"])) if c["step"][i] > WARMUP_STEPS
             and all(np.isfinite(c[key][i]) for key in ("pass_time", "allreduce_time", "update_time"))]
-    col = {key: np.array([c[key][i] for i in keep]) for key in
-           ("passes", "pass_time", "allreduce_time", "update_time", "step_time")}
+    n = len(c["step"])
+    col = {key: np.array([c.get(key, [np.nan] * n)[i] for i in keep]) for key in
+           ("passes", "pass_time", "overhead_time", "allreduce_time", "update_time", "step_time",
+            "statistics_time")}
     by_k = {}
     for k in sorted(set(col["passes"].tolist())):
         sel = col["passes"] == k
         by_k[int(k)] = {key: float(np.mean(col[key][sel])) for key in
                         ("pass_time", "allreduce_time", "update_time", "step_time")}
         by_k[int(k)]["steps"] = int(sel.sum())
-    model = goodput.fit_step_time(col["passes"], np.ones(len(keep)), col["pass_time"] * col["passes"],
-                                  col["allreduce_time"], col["update_time"], workers=2)
+    # As advise reads a log: with k >= 2 pass_time is one pass alone and overhead_time the rest
+    # of the step's compute (dropped before: the per-step work vanished from the fit).
+    alone = np.isfinite(col["overhead_time"])
+    model = goodput.fit_step_time(col["passes"], np.ones(len(keep)),
+                                  col["pass_time"] * col["passes"] + np.where(alone, col["overhead_time"], 0.0),
+                                  col["allreduce_time"], col["update_time"], workers=2,
+                                  per_pass=np.where(alone, col["pass_time"], np.nan),
+                                  statistics=np.nan_to_num(col["statistics_time"]))
     return {"by_k": by_k, "model": model.__dict__,
             "passes_over_steps": [int(x) for x in c["passes"] if np.isfinite(x)]}
 

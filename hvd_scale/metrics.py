@@ -55,6 +55,10 @@ METRICS: dict[str, str] = {
     "update_time": "seconds of the previous step's update (after the wait, to the step's end)",
     "step_time": "overhead_time + passes x pass_time + allreduce_time + update_time "
                  "(hvd_scale.goodput's model; overhead 0 where nan)",
+    "statistics_time": "seconds of the latest step's once-a-step statistics read (each worker's "
+                       "gradient, read where it is sent), timed apart: a part of pass_time (k = "
+                       "1) or overhead_time (k >= 2), a step's cost in the model; 0 where the "
+                       "statistics read every pass or nothing",
     "loss": "the loss passed to log_loss() for the step (Keras: ScalingMetrics hands each batch's, "
             "rank 0's)",
     "time": "seconds since the log was opened",
@@ -68,7 +72,7 @@ GUARD_METRICS = ("sharpness", "lr_cap")
 # Where a step's time goes (``hvd_scale.goodput``), stamped on the host as the step runs (no
 # synchronisation): by the torch adapter always, by Keras's when the metrics are logged.
 TIMING_METRICS = ("passes", "workers", "pass_time", "overhead_time", "allreduce_time",
-                  "update_time", "step_time")
+                  "update_time", "step_time", "statistics_time")
 # noise_scale's interval (``hvd_scale.noise``), from the run record's noise state.
 NOISE_METRICS = ("noise_scale_low", "noise_scale_high")
 STEP_METRICS = (POLICY_METRICS + NOISE_METRICS + ("lr", "short_step") + GUARD_METRICS

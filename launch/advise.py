@@ -36,7 +36,8 @@ from hvd_scale.spec import make_policy
 # The columns read, named as hvd_scale.metrics names them (checked there: a renamed metric fails
 # here at import, never as an empty column).
 STEP, PROGRESS, SCALE, SIGMA2, MU2 = "step", "progress", "scale", "sigma2", "mu2"
-PASSES, WORKERS, PASS_TIME, OVERHEAD_TIME, ALLREDUCE_TIME, UPDATE_TIME, _ = TIMING_METRICS
+PASSES, WORKERS, PASS_TIME, OVERHEAD_TIME, ALLREDUCE_TIME, UPDATE_TIME, _, STATISTICS_TIME = \
+    TIMING_METRICS
 TIMINGS = (PASSES, PASS_TIME, ALLREDUCE_TIME, UPDATE_TIME)
 check_names((STEP, PROGRESS, SCALE, SIGMA2, MU2))
 
@@ -130,6 +131,7 @@ class Timings:
     allreduce: np.ndarray
     update: np.ndarray
     per_pass: np.ndarray   # one pass timed alone (k >= 2), else nan
+    statistics: np.ndarray  # the once-a-step statistics read within compute (0: none timed)
 
     @property
     def configuration(self) -> tuple[int, int, float]:
@@ -170,7 +172,8 @@ def timings(log: str, columns: dict[str, list[float]], info: dict,
         groups.append(Timings(log, info, W, steps[rows[0]], steps[rows[-1]], k, scale / (W * k),
                               k * col(PASS_TIME) + np.where(alone, overhead, 0.0),
                               col(ALLREDUCE_TIME), col(UPDATE_TIME),
-                              np.where(alone, col(PASS_TIME), np.nan)))
+                              np.where(alone, col(PASS_TIME), np.nan),
+                              np.nan_to_num(col(STATISTICS_TIME))))  # a log before it: 0
     return groups, w_of[timed[-1]]
 
 
@@ -179,7 +182,7 @@ def fit(groups: Sequence[Timings]) -> goodput.StepTimeModel:
     cat = lambda name: np.concatenate([getattr(g, name) for g in groups])  # noqa: E731
     return goodput.fit_step_time(cat("passes"), cat("micro_batch"), cat("compute"),
                                  cat("allreduce"), cat("update"), workers=groups[0].workers,
-                                 per_pass=cat("per_pass"))
+                                 per_pass=cat("per_pass"), statistics=cat("statistics"))
 
 
 def basis(workers: int, measured: Sequence[int]) -> int | None:
@@ -304,7 +307,9 @@ def advise(log_dirs: str | os.PathLike | Sequence[str | os.PathLike], *,
             f"step time, fitted to {spans} ({sum(len(g.passes) for g in at[w])} steps at "
             f"W = {w}): per step {1e3 * model.per_step:.2f} ms, pass {1e3 * model.compute:.2f} "
             f"ms, allreduce wait {1e3 * model.allreduce:.2f} ms, update "
-            f"{1e3 * model.update:.2f} ms, fit error {100 * model.error:.1f}%"]
+            f"{1e3 * model.update:.2f} ms, fit error {100 * model.error:.1f}%"
+            + (f", statistics read {1e3 * model.statistics:.2f} ms a step (once, whatever k)"
+               if model.statistics > 0 else "")]
     unidentified = [w for w in measured_w if not models[w].identified]
     if unidentified:
         lines.append(f"assumed{f' at W = {_and(unidentified)}' if len(measured_w) > 1 else ''}: "
