@@ -33,13 +33,13 @@ def _by_run(results):
 
 @pytest.fixture(scope="module")
 def fsdp():
-    return _by_run(worker_results(run_torchrun([str(WORKER)], nproc=2, timeout=420)))
+    return _by_run(worker_results(run_torchrun([str(WORKER)], nproc=2, timeout=600)))
 
 
 @pytest.fixture(scope="module")
 def hsdp():
     return _by_run(worker_results(run_torchrun([str(WORKER), "--layout", "hsdp"], nproc=4,
-                                                 timeout=420)))
+                                                 timeout=600)))
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,19 @@ def test_a_short_step_counts_the_passes_taken(fsdp):
         assert got["vectors"][0][1:3] == [4.0, 2.0] and got["scale"] == 6.0  # S stays W k
         assert got["gain"] == pytest.approx(ref["gain"], rel=RTOL)
         np.testing.assert_allclose(got["weights"], ref["weights"], rtol=RTOL, atol=1e-12)
+
+
+@pytest.mark.timeout(900)
+def test_a_users_own_reduce_scatter_is_wrapped(fsdp):
+    """A comm set with set_custom_reduce_scatter before the optimizer still reduces (3 steps x 1
+    reduce-scatter a unit) under hvd_scale's measuring one; one set after is refused at the
+    step on every rank."""
+    for rank in (0, 1):
+        got = fsdp["user comm"][rank]
+        # unit 0 also reduced in the refused 4th step (refused at that pass's end, unapplied)
+        assert got["calls"] == [4, 3]
+        np.testing.assert_allclose(got["vectors"], got["reference"]["vectors"], rtol=RTOL)
+        assert "is no longer hvd_scale's" in got["replaced"], got["replaced"]
 
 
 @pytest.mark.timeout(600)

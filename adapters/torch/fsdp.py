@@ -33,7 +33,12 @@ How the statistics ride FSDP2's own communication:
   ``step()`` sees the mean, as under DDP); ``opt.synchronize()`` exists and finds nothing left.
 
 The passes are counted by one hook on the model's outputs (a hook on the gradient of the root
-module's forward outputs: one call per backward pass through the model).
+module's forward outputs: one call per backward pass through the model). Every rank must take
+the same passes in a step (FSDP2's all-gathers in each forward require it anyway); a short step
+(fewer than k everywhere) is counted as such. A reduce-scatter the user set on a unit before
+(``set_custom_reduce_scatter``) runs inside hvd_scale's; one set after is refused at the step.
+On a mesh of one process FSDP2 runs no reduce-scatter: there the unit's all-reduce hook, which
+sees the local gradient, is read instead.
 
 What cannot be measured is refused on every rank before anything is applied (``*_REFUSED``).
 The one private import, ``ReduceScatter`` and ``_get_gradient_divide_factors`` from

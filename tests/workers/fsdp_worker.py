@@ -249,6 +249,7 @@ def main():
                                                 steps=3)})
             del model, opt
         emit_result({"rank": rank, "run": "short", **short_step(mesh, rank, world)})
+        emit_result({"rank": rank, "run": "user comm", **user_comm(mesh, rank, world)})
         emit_result({"rank": rank, "run": "refusals", "refused": refusals(mesh, rank)})
     dist.destroy_process_group()
     return 0
@@ -289,6 +290,50 @@ def short_step(mesh, rank, world):
             "reference": {"vectors": [[sum(sums), float(n), float(world),
                                        float(mean.square().sum())]],
                           "gain": info.gain, "weights": full_weights_of(params)}}
+
+
+class UsersReduceScatter:
+    """A user's own reduce-scatter (set_custom_reduce_scatter before hvd_scale): counts its calls."""
+
+    def __init__(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+        self.inner, self.calls = DefaultReduceScatter(), 0
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
+
+
+def user_comm(mesh, rank, world):
+    """The user's own reduce-scatter set on each unit first: hvd_scale wraps it (it still runs,
+    and the statistics are the reference's); one set after the optimizer is refused at the
+    step. adascale, k = 2, samples="workers", 3 steps."""
+    from hvd_scale.adapters.torch.fsdp import DistributedOptimizer
+
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    ReduceScatter.register(UsersReduceScatter)  # an ABC: the user's class is one
+    model = sharded(mesh)
+    comms = [UsersReduceScatter(), UsersReduceScatter()]
+    model[0].set_custom_reduce_scatter(comms[0])
+    model[2].set_custom_reduce_scatter(comms[1])
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model,
+                               policy="adascale", backward_passes_per_step=2, budget=BUDGET,
+                               samples="workers")
+    vectors, plan = [], opt.scaling.plan
+    opt.scaling.plan = lambda st, *a, **kw: (vectors.append(list(st)), plan(st, *a, **kw))[1]
+    for step in range(3):
+        train_step(model, opt, rank, step, 2, "workers")
+    model[2].set_custom_reduce_scatter(UsersReduceScatter())  # after: hvd_scale's is gone
+    try:
+        train_step(model, opt, rank, 3, 2, "workers")
+        replaced = "accepted"
+    except (ValueError, RuntimeError) as e:
+        replaced = str(e)[:200]
+    return {"vectors": vectors, "calls": [c.calls for c in comms], "replaced": replaced,
+            "reference": reference("adascale", 2, "workers", world, steps=3)}
 
 
 def full_weights_of(params):
