@@ -300,7 +300,7 @@ def test_every_adapter_implements_the_protocol(adapter):
 
         _conformance(module.check(opt, micro_step, lambda: opt.w.copy()))
         return
-    if adapter == "torch/fsdp":  # two processes: FSDP2's engine refuses a one-rank mesh
+    if adapter == "torch/fsdp":  # two processes: FSDP2's reduce-scatter path
         from hvdrun import run_torchrun
         out = run_torchrun([str(worker), adapter], nproc=2, timeout=240)
         _conformance(read_results(out.stdout)[0])

@@ -95,8 +95,8 @@ def ddp_case() -> dict:
 
 
 def fsdp_case() -> dict:
-    """torch under FSDP2 (``fully_shard``), two processes of torchrun (FSDP2 on a one-rank mesh
-    runs no reduce-scatter, which the engine refuses): adascale over SGD (the engine refuses
+    """torch under FSDP2 (``fully_shard``), two processes of torchrun (the reduce-scatter path;
+    a mesh of one reads FSDP2's all-reduce hook instead): adascale over SGD (the engine refuses
     adascale_adam)."""
     import torch
     import torch.distributed as dist
