@@ -116,10 +116,9 @@ RUNS = {"torch": {"loops": "custom", "alone": None, "resume": True, "custom": No
                       "policies": "none,warmup,adascale,adascale_adam",
                       "workers": "adapt,short,checkpoint,resume"},
         # torch under torchrun with FSDP2 (fully_shard): the policies its engine measures (it
-        # refuses adascale_adam and measure=False, and a one-rank mesh: the one-process cells
-        # and the resume at another world size, which runs through one process, say so;
-        # tests/test_fsdp_checkpoint.py resumes FSDP2 at another world size through DCP).
-        "torch/fsdp": {"loops": "custom", "alone": "steady", "resume": False, "custom": None,
+        # refuses adascale_adam and measure=False); one process is a mesh of one. Its resume at
+        # another world size goes through DCP (tests/test_fsdp_checkpoint.py).
+        "torch/fsdp": {"loops": "custom", "alone": None, "resume": False, "custom": None,
                        "policies": "none,warmup,adascale",
                        "workers": "adapt,checkpoint"},
         # The custom loop's own paths: eager apply calls, adapt_passes by hand, a checkpoint of

@@ -59,6 +59,9 @@ CANNOT = {
     ("ddp", "join"): "hvd.join is Horovod's; DDP's uneven inputs (torch.distributed's Join "
                      "context) are tests/test_ddp_options.py's",
     ("fsdp", "join"): "hvd.join is Horovod's; FSDP2 has no uneven-inputs context",
+    ("fsdp", "resume"): "rank 0's torch.save holds its own shards only: FSDP2 resumes at another "
+                        "world size through torch.distributed.checkpoint "
+                        "(tests/test_fsdp_checkpoint.py)",
 }
 
 
@@ -68,12 +71,9 @@ def cannot(framework: str, change: str, measured: bool, workers: int,
     each tested where it is refused: tests/test_fsdp.py), or None."""
     why = CANNOT.get((framework, change))
     if why is None and framework == "fsdp":
-        if workers == 1:
-            why = ("FSDP2 on a one-rank mesh runs no reduce-scatter, which the engine refuses: "
-                   "one process runs under DDP or Horovod (their columns)")
-        elif not measured:
+        if not measured:
             why = "measure=False is refused under FSDP2 (the engine always measures)"
-        elif change == "short":
+        elif change == "short" and workers > 1:
             why = ("ranks taking different numbers of passes in a step: FSDP2 all-gathers the "
                    "parameters in every forward pass, so its own collectives do not pair up "
                    "(plain FSDP2 hangs alike); short_below, where every rank takes one pass, "
