@@ -224,6 +224,13 @@ def predict(k1: dict, k: int, suffix: str = "") -> float:
     return k * k1["compute" + suffix] + k1["wait" + suffix] + k1["update" + suffix]
 
 
+def predict_apart(k1: dict, k: int, suffix: str = "") -> float:
+    """Today's model fitted to the k = 1 run: the statistics' read (timed apart) a step's cost,
+    k (compute - s) + s + a + u."""
+    s = k1.get("stats" + suffix, 0.0)
+    return k * (k1["compute" + suffix] - s) + s + k1["wait" + suffix] + k1["update" + suffix]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--job"]:
@@ -238,9 +245,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="rounds of all configurations")
     p.add_argument("--out", default="goodput_drift")
+    p.add_argument("--report-only", action="store_true", help="the .md from the stored .json")
     args = p.parse_args(argv)
     store = RESULTS / f"{args.out}.json"
     out = json.loads(store.read_text()) if store.exists() else {"runs": []}
+    if args.report_only:
+        report(out)
+        return 0
     out["machine"], out["name"] = machine(), args.out
     work = pathlib.Path(tempfile.mkdtemp(prefix="g_drift-"))
     try:
@@ -280,10 +291,13 @@ def report(out: dict) -> None:
              "clock stamps it since 517607f); o = compute - k x one pass; stats = the statistics' "
              "norm reads (per worker: `_take_norms` in the buckets; per pass: the norm hooks); "
              "log = `log_loss` (the metrics row); sends = Horovod's enqueue of the buckets. "
-             "Predicted: B5's model fitted to the same code's k = 1 run (o = 0: k (o + c) + a + u).", "",
+             "Predicted: B5's model fitted to the same code's k = 1 run (o = 0: k (o + c) + a + u); "
+             "with s apart: the model since b8a30b3, the once-a-step read kept a step's cost "
+             "(k (compute - s) + s + a + u). The CPU rows' wait is Horovod's synchronize polling "
+             "(CPU spent waiting), so compare the CPU rows on compute.", "",
              "| date | load | code | samples | k | steps | time | compute | one pass | o | stats | log | "
-             "zero_grad | sends | wait | update | step | predicted from k = 1 | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "zero_grad | sends | wait | update | step | predicted from k = 1 | error | with s apart | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     runs = out["runs"]
     for i, r in enumerate(runs):
         base = next((b for b in reversed(runs[:i + 1]) if b["k"] == 1 and b["code"] == r["code"]
@@ -296,12 +310,13 @@ def report(out: dict) -> None:
             sends = g("flush") - (g("stats") or 0.0) if g("flush") and r["samples"] != "passes" else None
             pred = predict(base, r["k"], suffix) if base else float("nan")
             err = 100 * (pred - g("step")) / g("step")
+            apart = predict_apart(base, r["k"], suffix) if base else float("nan")
             lines.append(
                 f"| {r['date'] if not suffix else ''} | {r['load_before'] if not suffix else ''} | "
                 f"{r['code']} | {r['samples']} | {r['k']} | {r['steps']} | {what} | {ms(g('compute'))} | "
                 f"{ms(one)} | {ms(o)} | {ms(stats)} | {ms(g('log'))} | {ms(g('zero_grad'))} | "
                 f"{ms(sends)} | {ms(g('wait'))} | {ms(g('update'))} | {ms(g('step'))} | {ms(pred)} | "
-                f"{err:+.0f}% |")
+                f"{err:+.0f}% | {ms(apart)} | {100 * (apart - g('step')) / g('step'):+.0f}% |")
     lines += ["", f"- machine: {out['machine']}", *(f"- `.venv/bin/python {c}`" for c in out["commands"])]
     (RESULTS / f"{out.get('name', 'goodput_drift')}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -264,13 +264,16 @@ class DDPEngine:
                 self._unconsumed()
             step.mean_norms = []
         grads, params = bucket.gradients(), bucket.parameters()
-        self.scaling.clock.reading()  # a once-a-step read: the step-time model's s
+        once = self.scaling.reads() == "workers"  # a once-a-step read: the step-time model's s
+        if once:
+            self.scaling.clock.reading()
         denominator = self._bucket_denominator(bucket.index(), params, grads)
         if self.bucketed:
             step.fired_total += len(grads)
             statistics.keep_norms(params, self._bucket_norms(bucket.buffer(), params,
                                                              lambda: grads, denominator))
-        self.scaling.clock.read()
+        if once:
+            self.scaling.clock.read()
         future = state.user_hook(state.user_state, bucket)
         if self.measure:
             future = future.then(self._mean_norms_of(bucket.index(), params, grads, denominator))

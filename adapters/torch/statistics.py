@@ -411,12 +411,15 @@ class StepStatistics:
                 norms[self.group_of[p]].append(vector[i:i + 1])
 
     def take_norms(self, params: list[torch.Tensor], grads: list | None = None) -> None:
-        """Keep the bucket's norms for this step's sums (``keep_norms``); timed on the step
-        clock (a once-a-step read: the step-time model keeps it out of the passes)."""
-        clock = self.scaling.clock
-        clock.reading()
+        """Keep the bucket's norms for this step's sums (``keep_norms``). Read per worker, this
+        is once a step at any k: timed on the step clock, the step-time model keeps it out of
+        the passes (read per pass, a k = 1 step's bucket read stands for a pass's)."""
+        clock = self.scaling.clock if self.scaling.reads() == "workers" else None
+        if clock is not None:
+            clock.reading()
         self.keep_norms(params, self.grad_norms(params, grads))
-        clock.read()
+        if clock is not None:
+            clock.read()
 
     def preconditioned(self, p: torch.Tensor, grad: torch.Tensor, group: dict,
                       floored: bool = True) -> torch.Tensor:
