@@ -11,7 +11,7 @@ warm-in), "after" the gain a step applies now (``estimated_gain``).
 
 Synthetic Gaussian micro-gradients g = mu + e, W = 2 workers x k = 8 passes, S = 16, a baseline
 batch's covariance of low rank (eigenvalues 0.7, 0.3; sigma2 = 1), mu2 = 0.2 at 45 degrees to
-the first (benchmarks/estimator_variance.py's "low-rank": true gain 4.57); the statistics read
+the first (benchmarks/investigations/estimator_variance.py's "low-rank": true gain 4.57); the statistics read
 per worker (samples = 2, the default from two workers on) or per pass (samples = 16). Two more
 settings show what the warm-in costs where the estimates are good: the same noise spread over
 256 dimensions (isotropic) and a signal-dominated mu2 = 2 (true gain 1.45). Each run has its own

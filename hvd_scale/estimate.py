@@ -39,7 +39,7 @@ Cheaper statistics, whose reads per step do not grow with the k backward passes 
               reads; noise of low rank with the signal along it). Not offered: measured only.
 
 ``estimate_variances`` gives each one's per-step variance for Gaussian micro-gradients
-(tests/test_estimator_sampling.py, benchmarks/estimator_variance.py).
+(tests/test_estimator_sampling.py, benchmarks/investigations/estimator_variance.py).
 
 Everything here is numpy. Statistics are floats, or 1-D arrays with one entry per parameter group;
 the gain uses the sums over groups (one lr factor for the whole model, as in the paper).

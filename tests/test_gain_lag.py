@@ -110,3 +110,41 @@ def test_gain_lag_quick_run_writes_its_report(tmp_path, monkeypatch):
     assert data["machine"]["cpu"] and data["rows"][0]["S"] == 16
     text = (tmp_path / "q.md").read_text()
     assert "| isotropic | 16 |" in text and data["machine"]["cpu"] in text
+
+
+def test_digits_full_moments_equal_the_per_sample_gradients():
+    pytest.importorskip("sklearn")
+    x, y = gain_lag.digits_data()
+    x, y = x[:50], y[:50]
+    p = gain_lag.mlp_init(0)
+    full = gain_lag.per_sample_grads(p, x, y)
+    mean = full.mean(axis=0)
+    mu2 = float(mean @ mean)
+    sigma2 = (float(np.mean(np.sum(full * full, axis=1))) - mu2) / gain_lag.B0
+    assert gain_lag.full_moments(p, x, y) == pytest.approx((sigma2, mu2), rel=1e-10)
+    # and the per-sample gradient is the loss's: a finite difference along one weight
+    e = np.zeros_like(p)
+    e[5] = 1e-6
+    fd = (gain_lag.mlp_loss(p + e, x, y) - gain_lag.mlp_loss(p - e, x, y)) / 2e-6
+    assert fd == pytest.approx(mean[5], rel=1e-4, abs=1e-9)
+
+
+def test_every_benchmark_script_named_in_the_docs_exists():
+    # benchmarks/ arranged: the suite at the top, one-off studies in investigations/; a page that
+    # names a script names where it is.
+    pages = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+             *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
+    import re
+
+    missing = {}
+    for page in pages:
+        if page.name == "changelog.md":  # history names scripts where they were
+            continue
+        for path in re.findall(r"benchmarks/(?:investigations/)?\w+\.py", page.read_text()):
+            if not (ROOT / path).exists():
+                missing.setdefault(path, page.relative_to(ROOT).as_posix())
+    assert not missing, missing
+    for name in ("hook_probe", "floor", "host_profile", "step_breakdown", "keras_breakdown",
+                 "stats_timeline", "momentum_horizon", "adam_resize", "gain_trajectory"):
+        assert (ROOT / "benchmarks" / "investigations" / f"{name}.py").exists()
+        assert not (ROOT / "benchmarks" / f"{name}.py").exists()

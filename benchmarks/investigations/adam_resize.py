@@ -1,6 +1,6 @@
 """Adam's second moment across a change of S (issue #30 item 7), measured in the torch adapter.
 
-    .venv/bin/python benchmarks/adam_resize.py          # 2 seeds, ~2 min (horovodrun -np 2)
+    .venv/bin/python benchmarks/investigations/adam_resize.py          # 2 seeds, ~2 min (horovodrun -np 2)
 
 adascale_adam keeps Adam's moments when S changes. v estimates mu^2 + sigma^2 / S per coordinate
 (of the step's averaged gradient), so after S shrinks it is too small for the new, noisier
@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 D, MICRO, NOISE, LR = 64, 8, 3.0, 0.002
 CHANGE, END = 3000.0, 4000.0  # tau at the change, tau at the end
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
                 + f" | {statistics.mean(a for a, _ in gains):.2f} / "
                   f"{statistics.mean(b for _, b in gains):.2f} |")
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-              f"- rerun: `.venv/bin/python benchmarks/adam_resize.py {' '.join(argv or sys.argv[1:])}`".rstrip()]
+              f"- rerun: `.venv/bin/python benchmarks/investigations/adam_resize.py {' '.join(argv or sys.argv[1:])}`".rstrip()]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "adam_resize.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,6 @@
 """B1 with SGD momentum's horizon in progress: does momentum^r help adascale at S = 16 and 64?
 
-    .venv/bin/python benchmarks/momentum_horizon.py          # 2 variants x S in 16, 64 x 3 seeds (~10 min)
+    .venv/bin/python benchmarks/investigations/momentum_horizon.py          # 2 variants x S in 16, 64 x 3 seeds (~10 min)
 
 Momentum 0.9 averages the gradient over ~10 optimizer steps; at gain r a step is r baseline steps
 of progress, so at scale the average spans r times more progress than in the baseline run: the
@@ -19,8 +19,10 @@ import argparse
 import datetime
 import json
 import statistics
+import pathlib
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # benchmarks/
 from quality_at_scale import RESULTS, run_example
 
 VARIANTS = {"momentum fixed (adascale)": [], "momentum^r (horizon in progress)": ["--momentum-horizon"]}
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
                          f"{statistics.mean(r['gain'] for r in cell):.2f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-              f"- rerun: `.venv/bin/python benchmarks/momentum_horizon.py {' '.join(argv or sys.argv[1:])}`".rstrip()]
+              f"- rerun: `.venv/bin/python benchmarks/investigations/momentum_horizon.py {' '.join(argv or sys.argv[1:])}`".rstrip()]
     (RESULTS / "momentum_horizon.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -1,6 +1,6 @@
 """Where the Keras adapter's step time goes, in one process (TensorFlow backend, one thread).
 
-    .venv/bin/python benchmarks/keras_breakdown.py       # ~1 minute per model
+    .venv/bin/python benchmarks/investigations/keras_breakdown.py       # ~1 minute per model
 
 Compiled steps of benchmarks/keras_overhead.py, taking turns (benchmarks/timing.py: ratios to
 plain paired round by round), one process (Horovod's allreduce is then a no-op, so what is left
@@ -14,7 +14,7 @@ is the adapter's own graph):
                      way to run
     plain, <peer>    plain with Keras's own ways to skip a step (``PEERS``): what a conditional
                      update costs in Keras without hvd_scale
-The floor (the two reads and the host call alone) is benchmarks/floor.py --keras.
+The floor (the two reads and the host call alone) is benchmarks/investigations/floor.py --keras.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from keras import ops  # noqa: E402
 
 import hvd_scale.adapters.keras.optimizer as keras_optimizer  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import timing  # noqa: E402
 from keras_overhead import MODELS, make_step  # noqa: E402
 
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | {r['plain']['median_ms']:.2f} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     lines += ["", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-              f"- rerun: `.venv/bin/python benchmarks/keras_breakdown.py {shlex.join(sys.argv[1:])}`".rstrip()]
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "keras_breakdown.md")
+              f"- rerun: `.venv/bin/python benchmarks/investigations/keras_breakdown.py {shlex.join(sys.argv[1:])}`".rstrip()]
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "keras_breakdown.md")
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,6 @@
 """The floor under the statistics' cost: reading each gradient twice, against a training step.
 
-    .venv/bin/python benchmarks/floor.py        # ~1 min, one process, no Horovod
+    .venv/bin/python benchmarks/investigations/floor.py        # ~1 min, one process, no Horovod
 
 AdaScale needs |g|^2 of every micro-gradient and |g_bar|^2 of the averaged one: at the least,
 each gradient is read twice (two fused ``_foreach_norm`` kernels over the model's gradients). For
@@ -10,7 +10,7 @@ floor = 1 + (two reads) / (plain step): the adascale / plain ratio no implementa
 on this machine. Under Horovod the plain step is longer (the allreduce), so the floor there is
 lower still. Also timed: the same reads as one norm kernel per tensor (a hook per parameter).
 
-    .venv/bin/python benchmarks/floor.py --keras    # the same for Keras on TensorFlow
+    .venv/bin/python benchmarks/investigations/floor.py --keras    # the same for Keras on TensorFlow
 
 With --keras, for each model of benchmarks/keras_overhead.py, three compiled steps take turns
 (benchmarks/timing.py): the plain step (GradientTape, SGD.apply); the same with the two reads as
@@ -34,7 +34,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch_overhead import MODELS  # noqa: E402
 
 from hvd_scale.launch.jobs import print_result  # noqa: E402
@@ -163,8 +163,8 @@ def main(argv=None) -> int:
                          f"{r['read_fused_ms']:.3f} | {r['read_per_tensor_ms']:.3f} | {r['floor']:.3f} |")
     lines = ["# The floor under the statistics' cost (one process, one thread)", "", *lines, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"- rerun: `.venv/bin/python benchmarks/floor.py {shlex.join(sys.argv[1:])}`".rstrip()]
-    out = pathlib.Path(__file__).resolve().parent / "results" / f"floor{'_keras' if args.keras else ''}.md"
+             f"- rerun: `.venv/bin/python benchmarks/investigations/floor.py {shlex.join(sys.argv[1:])}`".rstrip()]
+    out = pathlib.Path(__file__).resolve().parent.parent / "results" / f"floor{'_keras' if args.keras else ''}.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -19,7 +19,7 @@ the same steps (zero_grad, k x (forward, backward), SGD step) with:
   allocation), the squares summed once a step.
 
 The variants take turns in rounds (benchmarks/timing.py), ratios to plain paired round by round.
-Rerun: ``.venv/bin/python benchmarks/hook_probe.py`` (~2 minutes, the build ~30 s of it).
+Rerun: ``.venv/bin/python benchmarks/investigations/hook_probe.py`` (~2 minutes, the build ~30 s of it).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import timing  # noqa: E402
 from torch_overhead import MODELS  # noqa: E402
 
 from hvd_scale.adapters.torch.norms import cpu_norm  # noqa: E402
 
 KINDS = ("plain", "python_noop", "python", "python_out64", "cpp", "cpp_out")
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 
 CPP = r'''
 #include <torch/extension.h>
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
               f"- machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, torch {torch.__version__}",
               f"- the hooks agree: one step's sum of squared per-pass norms over {len(state['norms'])} gradients "
               f"{python_sum:.9g} (python), " + ", ".join(f"{v:.9g} ({k})" for k, v in sums.items()),
-              "- rerun: `" + " ".join([".venv/bin/python benchmarks/hook_probe.py",
+              "- rerun: `" + " ".join([".venv/bin/python benchmarks/investigations/hook_probe.py",
                                         *(sys.argv[1:] if argv is None else argv)]) + "`"]
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     (RESULTS / f"{args.out}.json").write_text(json.dumps(jobs, indent=1) + "\n")

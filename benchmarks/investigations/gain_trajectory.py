@@ -3,9 +3,9 @@
 the estimator before #50): one seed of a fair-fight cell, the same code, the estimator chosen by
 $HVD_SCALE_SAMPLES (unset: the default; 'passes': the per-pass one), nothing else changed.
 
-    .venv/bin/python benchmarks/gain_trajectory.py --bench b1 --S 64 --source /tmp/snap50  # ~5 min
-    .venv/bin/python benchmarks/gain_trajectory.py --bench b4 --S 32 --source /tmp/snap50  # ~25 min
-    .venv/bin/python benchmarks/gain_trajectory.py --report-only
+    .venv/bin/python benchmarks/investigations/gain_trajectory.py --bench b1 --S 64 --source /tmp/snap50  # ~5 min
+    .venv/bin/python benchmarks/investigations/gain_trajectory.py --bench b4 --S 32 --source /tmp/snap50  # ~25 min
+    .venv/bin/python benchmarks/investigations/gain_trajectory.py --report-only
 
 Each run is fair_fight.run's command (the bench's example under horovodrun -np 2, Gloo, untuned
 AdaScale at the baseline lr, k = S / 2 passes per worker, evaluated every budget / 20 of tau) from
@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # benchmarks/
 import fair_fight
 import transformer_bleu as b4
 
@@ -196,7 +197,7 @@ def report(runs: list[dict]) -> str:
     lines += [READING, ""]
     if cells:
         lines += [f"![gain against optimizer steps]({PNG})", ""]
-    lines += ["- rerun: `.venv/bin/python benchmarks/gain_trajectory.py --bench b1 --S 64 --source "
+    lines += ["- rerun: `.venv/bin/python benchmarks/investigations/gain_trajectory.py --bench b1 --S 64 --source "
               "<a git archive of the commit>` (and `--bench b4 --S 32`); `--report-only`"]
     return "\n".join(lines) + "\n"
 

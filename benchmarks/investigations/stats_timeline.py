@@ -1,7 +1,7 @@
 """When does the statistics allreduce finish, relative to the step's last gradient? (Horovod timeline)
 
-    .venv/bin/python benchmarks/stats_timeline.py                     # cnn and mlp, 1 ms and 5 ms cycles
-    .venv/bin/python benchmarks/stats_timeline.py --cycles 5 --models cnn --steps 30
+    .venv/bin/python benchmarks/investigations/stats_timeline.py                     # cnn and mlp, 1 ms and 5 ms cycles
+    .venv/bin/python benchmarks/investigations/stats_timeline.py --cycles 5 --models cnn --steps 30
 
 Runs ``torch_overhead.py --variants adascale`` under ``horovodrun -np 2 --gloo --timeline-filename``
 and reads, for every step, the end of the ``hvd_scale.stats`` ALLREDUCE minus the end of the last
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hvd_scale.launch.jobs import horovodrun_command
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/
 STATS = "allreduce.hvd_scale.stats"
 
 

@@ -1,7 +1,7 @@
 """Where the torch adapter's fixed per-step time goes, by Python's profiler (#31).
 
-    .venv/bin/python benchmarks/host_profile.py                 # this checkout, ~3 minutes
-    .venv/bin/python benchmarks/host_profile.py --code REV      # and a git revision, side by side
+    .venv/bin/python benchmarks/investigations/host_profile.py                 # this checkout, ~3 minutes
+    .venv/bin/python benchmarks/investigations/host_profile.py --code REV      # and a git revision, side by side
 
 For each shape (np 2 at k = 1 and k = 4 under horovodrun with the launcher's settings, and one
 process at S = 1 started without horovodrun), rank 0 trains benchmarks/torch_overhead.py's
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
 SHAPES = {"np 2, k = 1": (2, 1), "np 2, k = 4": (2, 4), "one process, S = 1": (1, 1)}
 OURS = ("/adapters/", "/hvd_scale/")
@@ -104,7 +104,7 @@ def run_shape(workers: int, passes: int, kind: str, steps: int, code: str | None
     from hvd_scale.launch.jobs import CPU_ENV_DEFAULTS, horovodrun_command
 
     result = pathlib.Path(tempfile.mkdtemp(prefix="host_profile_")) / "result.json"
-    worker = [str(BIN / "python"), str(ROOT / "benchmarks" / "host_profile.py"), "--job", "--kind", kind,
+    worker = [str(BIN / "python"), str(ROOT / "benchmarks" / "investigations" / "host_profile.py"), "--job", "--kind", kind,
               "--passes", str(passes), "--steps", str(steps), "--result", str(result)]
     cmd = worker if workers == 1 else [str(a) for a in horovodrun_command(worker, 2)]
     env = {**os.environ, **CPU_ENV_DEFAULTS}
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                 lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
             lines.append("")
     lines += [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-              f"- rerun: `.venv/bin/python benchmarks/host_profile.py {shlex.join(argv)}`".rstrip()]
+              f"- rerun: `.venv/bin/python benchmarks/investigations/host_profile.py {shlex.join(argv)}`".rstrip()]
     out = ROOT / "benchmarks" / "results" / "host_profile.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,6 @@
 """Cheaper gradient statistics (#50 item 1): their error and the gain's spread, on synthetic data.
 
-    .venv/bin/python benchmarks/estimator_variance.py     # ~20 s, one process, numpy only
+    .venv/bin/python benchmarks/investigations/estimator_variance.py     # ~20 s, one process, numpy only
 
 Today each step reads all n = W k micro-gradients (W workers x k backward passes) for
 m = mean_i |g_i|^2. Two statistics whose reads do not grow with k, both handed to the engine
@@ -38,7 +38,7 @@ import numpy as np
 from hvd_scale import GainEstimator
 from hvd_scale.estimate import estimate_variances
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "estimator_variance.md"
 SIGMA2, MU2 = 1.0, 0.2
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
 
     defaults = {"replicas": 64, "at": 1000, "until": 3000, "seed": 0}
-    command = ".venv/bin/python benchmarks/estimator_variance.py" + "".join(
+    command = ".venv/bin/python benchmarks/investigations/estimator_variance.py" + "".join(
         f" --{key} {getattr(args, key)}" for key in defaults if getattr(args, key) != defaults[key])
     if args.output.resolve() != DEFAULT_OUTPUT:
         command += f" --output {args.output}"

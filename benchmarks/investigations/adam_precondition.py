@@ -1,7 +1,7 @@
 """adascale_adam's preconditioned statistics on a Keras CNN with Adam (issue #50 item 4).
 
-    .venv/bin/python benchmarks/adam_precondition.py replay            # one process, ~1 min
-    .venv/bin/python benchmarks/adam_precondition.py job               # horovodrun -np 2, ~2 min
+    .venv/bin/python benchmarks/investigations/adam_precondition.py replay            # one process, ~1 min
+    .venv/bin/python benchmarks/investigations/adam_precondition.py job               # horovodrun -np 2, ~2 min
 
 ``replay``: plain Keras Adam (lr 1e-3, eps 1e-7, the defaults) trains a small CNN on MNIST-1D
 (generated locally) in one process with n = S = 2 micro-batches of 32 a step, as two workers
@@ -34,7 +34,7 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 BATCH, LR, EPS = 32, 1e-3, 1e-7

@@ -1,6 +1,6 @@
 """Where the adascale step's extra time goes (torch adapter against plain Horovod, one job).
 
-    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/step_breakdown.py
+    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python benchmarks/investigations/step_breakdown.py
     (options: --models cnn,mlp --rounds 12 --per-round 6; set HOROVOD_CYCLE_TIME as the launcher does)
 
 Plain ``hvd.DistributedOptimizer`` and hvd_scale ``adascale`` train the same model in interleaved
@@ -25,7 +25,7 @@ from pathlib import Path
 import horovod.torch as hvd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torch_overhead import MODELS  # noqa: E402
 
 from hvd_scale.adapters.torch import DistributedOptimizer  # noqa: E402
